@@ -1,0 +1,192 @@
+"""Pass graphs: one networkx DiGraph per pass kind, the single model of the network.
+
+Passes (DESIGN.md): a prefill chunk of `tokens` prompt positions; a decode window of `tokens` positions
+(1 for a decode step, 1 + n for a verify window); a draft step of the NextN block. The planner asks a graph
+for bytes and FLOPs (`codegen.cost`) and for its activation arena (`codegen.memory`); codegen lowers its
+nodes; the runtime replays them in `order`.
+
+Every node is one op producing one tensor (the node's name is the tensor's name), with:
+  op, order (a topological position: the build order), shape, dtype, out_bytes,
+  flops, weights (names of the weight tensors it reads), weight_bytes (dense weights it reads),
+  expert_layer (for routed-expert ops: the layer whose experts it reads; their bytes are the planner's,
+  who knows which are cached and which stream), kv_layer / kv_read (for attention: K/V bytes read per
+  context token), output (True for tensors that leave the pass).
+Edges run from the producer of a tensor to each of its consumers.
+
+Prefill computes the output head for the last position only: a full-chunk logits buffer is
+vocab x chunk x 4 bytes (5 GB at 8K tokens), a classic OOM.
+"""
+
+import networkx as nx
+
+from planner.architecture import HParams
+from planner.kv import KVType, row_bytes
+
+PASS_KINDS = ("prefill", "decode", "draft")
+ACTIVATION_BYTES = 4    # float32 activations
+INDEX_BYTES = 4         # int32 token and expert ids
+
+
+class _Builder:
+    def __init__(self, model, kind: str, tokens: int, kv: KVType):
+        self.model, self.kind, self.tokens, self.kv = model, kind, tokens, kv
+        self.hp: HParams = model.hparams
+        self.bytes = {t.name: t.n_bytes for t in model.tensors}
+        self.graph = nx.DiGraph(kind=kind, tokens=tokens, kv=kv.name, model=model.name)
+
+    def op(self, name: str, op: str, inputs: list[str], shape: tuple, *, dtype: str = "f32", flops: float = 0,
+           weights: tuple = (), weight_bytes: int | None = None, **attrs) -> str:
+        present = tuple(w for w in weights if w in self.bytes)
+        if weight_bytes is None:
+            weight_bytes = 0 if "expert_layer" in attrs else sum(self.bytes[w] for w in present)
+        element_bytes = INDEX_BYTES if dtype == "i32" else ACTIVATION_BYTES
+        n_elements = 1
+        for dim in shape:
+            n_elements *= dim
+        self.graph.add_node(name, op=op, order=self.graph.number_of_nodes(), shape=shape, dtype=dtype,
+                            out_bytes=n_elements * element_bytes, flops=flops, weights=present,
+                            weight_bytes=weight_bytes,
+                            output=False, **attrs)
+        for source in inputs:
+            self.graph.add_edge(source, name)
+        return name
+
+    def matmul(self, name: str, x: str, weight: str, rows: int, n_in: int, n_out: int, **attrs) -> str:
+        weights = (f"{weight}.weight", f"{weight}.bias")   # the bias, where there is one, is fused
+        return self.op(name, "matmul", [x], (rows, n_out), flops=2.0 * rows * n_in * n_out, weights=weights,
+                       **attrs)
+
+    def norm(self, name: str, x: str, weight: str, rows: int) -> str:
+        e = self.hp.n_embd
+        return self.op(name, "rmsnorm", [x], (rows, e), flops=4.0 * rows * e, weights=(f"{weight}.weight",))
+
+    def attention_block(self, layer: int, x: str, rows: int, compute_ffn: bool = True) -> str:
+        """One transformer block over `rows` positions; returns the block's output (the residual stream).
+        With compute_ffn False it stops once the block's K/V are stored (the drafter in a prompt pass)."""
+        hp, p = self.hp, f"blk.{layer}."
+        q_dim, k_dim, v_dim = hp.n_head * hp.head_dim_k, hp.n_head_kv * hp.head_dim_k, hp.n_head_kv * hp.head_dim_v
+        e = hp.n_embd
+        h = self.norm(p + "attn_norm", x, p + "attn_norm", rows)
+        q = self.matmul(p + "q", h, p + "attn_q", rows, e, q_dim)
+        k = self.matmul(p + "k", h, p + "attn_k", rows, e, k_dim)
+        v = self.matmul(p + "v", h, p + "attn_v", rows, e, v_dim)
+        if hp.architecture == "qwen3moe":
+            q = self.op(p + "q_norm", "head_rmsnorm", [q], (rows, q_dim), flops=4.0 * rows * q_dim,
+                        weights=(p + "attn_q_norm.weight",))
+            k = self.op(p + "k_norm", "head_rmsnorm", [k], (rows, k_dim), flops=4.0 * rows * k_dim,
+                        weights=(p + "attn_k_norm.weight",))
+        q = self.op(p + "q_rope", "rope", [q], (rows, q_dim), flops=6.0 * rows * hp.n_head * hp.n_rot // 2)
+        k = self.op(p + "k_rope", "rope", [k], (rows, k_dim), flops=6.0 * rows * hp.n_head_kv * hp.n_rot // 2)
+        kv_row_bytes = row_bytes(k_dim, self.kv.k_type) + row_bytes(v_dim, self.kv.v_type)
+        stored = self.op(p + "kv_store", "kv_store", [k, v], (0,), kv_layer=layer, kv_write=rows * kv_row_bytes)
+        if not compute_ffn:
+            return stored
+        attn = self.op(p + "attention", "attention", [q, stored], (rows, hp.n_head * hp.head_dim_v),
+                       flops_per_context_token=4.0 * rows * hp.n_head * hp.head_dim_k, kv_layer=layer,
+                       kv_read=kv_row_bytes)
+        out = self.matmul(p + "attn_out", attn, p + "attn_output", rows, hp.n_head * hp.head_dim_v, e)
+        x = self.op(p + "attn_residual", "add", [x, out], (rows, e), flops=rows * e)
+        ffn_norm = "ffn_norm" if hp.architecture == "qwen3moe" else "post_attention_norm"
+        h = self.norm(p + "ffn_norm", x, p + ffn_norm, rows)
+        ffn = self.moe(layer, h, rows) if hp.is_moe_layer(layer) else self.dense_ffn(p, h, rows, hp.n_ff, "")
+        return self.op(p + "ffn_residual", "add", [x] + ffn, (rows, e), flops=rows * e * len(ffn))
+
+    def dense_ffn(self, p: str, h: str, rows: int, width: int, suffix: str) -> list[str]:
+        """SwiGLU FFN; the activation is fused into the gate/up op, so only silu(gate) * up is stored."""
+        e = self.hp.n_embd
+        act = self.op(f"{p}ffn_gate_up{suffix}", "swiglu_matmul", [h], (rows, width), flops=4.0 * rows * e * width,
+                      weights=(f"{p}ffn_gate{suffix}.weight", f"{p}ffn_up{suffix}.weight"))
+        return [self.matmul(f"{p}ffn_down{suffix}", act, f"{p}ffn_down{suffix}", rows, width, e)]
+
+    def moe(self, layer: int, h: str, rows: int) -> list[str]:
+        hp, p, e = self.hp, f"blk.{layer}.", self.hp.n_embd
+        k, f = hp.n_expert_used, hp.n_ff_exp
+        logits = self.matmul(p + "router", h, p + "ffn_gate_inp", rows, e, hp.n_expert)
+        ids = self.op(p + "topk", "topk", [logits], (rows, k), dtype="i32", flops=rows * hp.n_expert * k,
+                      weights=(p + "exp_probs_b.bias",),
+                      gating="softmax" if hp.architecture == "qwen3moe" else "sigmoid")
+        weights = self.op(p + "route_weights", "route_weights", [logits, ids], (rows, k), flops=rows * k * 4,
+                          normalize=hp.expert_weights_norm, scale=hp.expert_weights_scale)
+        act = self.op(p + "moe_gate_up", "moe_swiglu_matmul", [h, ids], (rows * k, f), flops=4.0 * rows * k * e * f,
+                      weights=(p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"), expert_layer=layer)
+        # the weighted sum over a token's k experts is fused into the down projection, in a fixed order
+        moe = self.op(p + "moe_down", "moe_down_matmul", [act, ids, weights], (rows, e), flops=2.0 * rows * k * f * e,
+                      weights=(p + "ffn_down_exps.weight",), expert_layer=layer)
+        outputs = [moe]
+        if hp.n_expert_shared and f"{p}ffn_up_shexp.weight" in self.bytes:
+            outputs += self.dense_ffn(p, h, rows, f * hp.n_expert_shared, "_shexp")
+        return outputs
+
+    def head(self, x: str, rows: int, norm: str) -> str:
+        """Output head over `rows` positions (the last ones); returns the greedy token ids."""
+        hp = self.hp
+        h = self.norm("head_norm", x, norm, rows)
+        logits = self.matmul("logits", h, "output", rows, hp.n_embd, hp.n_vocab)
+        self.graph.nodes[logits]["output"] = True
+        ids = self.op("argmax", "argmax", [logits], (rows,), dtype="i32", flops=rows * hp.n_vocab)
+        self.graph.nodes[ids]["output"] = True
+        return ids
+
+    def embed(self, name: str, token_ids: str, rows: int) -> str:
+        """Embedding lookup: reads one table row per position, not the table."""
+        table = "token_embd.weight"
+        return self.op(name, "embed", [token_ids], (rows, self.hp.n_embd), weights=(table,),
+                       weight_bytes=rows * (self.bytes[table] // self.hp.n_vocab))
+
+    def nextn_input(self, layer: int, token_ids: str, hidden: str, rows: int) -> str:
+        """The NextN block's input: eh_proj([enorm(embed(token)) ; hnorm(h)])."""
+        hp, p, e = self.hp, f"blk.{layer}.", self.hp.n_embd
+        embedded = self.embed(p + "nextn_embed", token_ids, rows)
+        enorm = self.norm(p + "enorm", embedded, p + "nextn.enorm", rows)
+        hnorm = self.norm(p + "hnorm", hidden, p + "nextn.hnorm", rows)
+        joined = self.op(p + "eh_concat", "concat", [enorm, hnorm], (rows, 2 * e))
+        return self.matmul(p + "eh_proj", joined, p + "nextn.eh_proj", rows, 2 * e, e)
+
+
+def build_pass(model, kind: str, tokens: int, kv: KVType, layers=None, with_drafter: bool = False) -> nx.DiGraph:
+    """The graph of one pass over `tokens` positions.
+
+    layers: the trunk blocks to include (default all). Blocks of one kind have identical graphs and only the
+    residual stream crosses them, so the planner builds one block of each kind to size the arena
+    (`representative_layers`), and codegen builds them all.
+    with_drafter: a prefill chunk also stores the drafter's K/V for its positions in the same batched pass.
+    """
+    if kind not in PASS_KINDS:
+        raise ValueError(f"unknown pass kind {kind!r}; expected one of {PASS_KINDS}")
+    if tokens < 1:
+        raise ValueError("a pass needs at least one token")
+    b = _Builder(model, kind, tokens, kv)
+    hp = b.hp
+    ids = b.op("token_ids", "input", [], (tokens,), dtype="i32")
+    if kind == "draft":
+        nextn = hp.n_trunk
+        hidden = b.op("hidden_in", "input", [], (tokens, hp.n_embd))
+        x = b.nextn_input(nextn, ids, hidden, tokens)
+        x = b.attention_block(nextn, x, tokens)
+        b.head(x, tokens, f"blk.{nextn}.nextn.shared_head_norm")
+        return b.graph
+    x = b.embed("embed", ids, tokens)
+    for layer in range(hp.n_trunk) if layers is None else layers:
+        x = b.attention_block(layer, x, tokens)
+    head_rows = 1 if kind == "prefill" else tokens
+    if kind == "prefill" and with_drafter and hp.n_nextn:
+        hidden = b.norm("hidden_out", x, "output_norm", tokens)   # h for every position feeds the drafter
+        next_ids = b.op("next_token_ids", "input", [], (tokens,), dtype="i32")
+        drafter_x = b.nextn_input(hp.n_trunk, next_ids, hidden, tokens)
+        b.attention_block(hp.n_trunk, drafter_x, tokens, compute_ffn=False)
+    last = b.op("last_rows", "select_rows", [x], (head_rows, hp.n_embd)) if head_rows < tokens else x
+    b.head(last, head_rows, "output_norm")
+    if kind == "decode":
+        hidden = b.graph.nodes["head_norm"]
+        hidden["output"] = True      # the drafter's next input
+    return b.graph
+
+
+def representative_layers(hparams: HParams) -> list[int]:
+    """One trunk block of each kind (leading dense, MoE): enough to size a pass's arena."""
+    layers = [0] if hparams.n_leading_dense else []
+    return layers + [hparams.n_leading_dense]
+
+
+def nodes_in_order(graph: nx.DiGraph) -> list[str]:
+    return sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"])

@@ -1,0 +1,176 @@
+"""The model's inventory, from a GGUF header or a model card: what must be resident, what streams, exact bytes.
+
+Tensor classes (DESIGN.md's vocabulary):
+- dense: attention, norms, router, shared expert, embeddings, output head; read every token, always resident;
+- expert: a trunk layer's routed experts (`ffn_{gate,up,down}_exps`), the bulk of the bytes;
+- drafter_dense / drafter_expert: the NextN block's tensors (the MTP drafter); its routed experts are read
+  only by decode, which is why they can be lent to the prefill ring while a prompt is read.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from planner.architecture import EXPERT_ROLES, HParams, hparams_from_metadata, tensor_layer, tensor_layout, tensor_role
+from planner.card import card_header
+from planner.errors import StratumError
+from planner.header import GGUFHeader, TensorInfo, read_header
+from planner.kv import KVType, row_bytes
+from plans import MODELS_DIR
+
+# Tensors every block of the layout must have; the rest may be absent (tied output head, optional norms).
+_REQUIRED_ROLES = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", *EXPERT_ROLES,
+                   "ffn_gate", "ffn_up", "ffn_down", "token_embd", "nextn.eh_proj"}
+# Hyperparameters that change the plan but not every tensor shape: part of the fingerprint.
+_STRUCTURAL = ("architecture", "n_layer", "n_nextn", "n_embd", "n_head", "n_head_kv", "head_dim_k", "head_dim_v",
+               "n_expert", "n_expert_used", "n_expert_shared", "n_leading_dense", "n_vocab")
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    layer: int
+    n_expert: int
+    blob_bytes: int         # one expert: its gate, up and down rows, as stored
+
+    @property
+    def block_bytes(self) -> int:
+        return self.blob_bytes * self.n_expert
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    source: str
+    hparams: HParams
+    tensors: tuple[TensorInfo, ...]
+    tensor_class: dict          # tensor name -> 'dense' | 'expert' | 'drafter_dense' | 'drafter_expert'
+
+    def bytes_of(self, cls: str) -> int:
+        return sum(t.n_bytes for t in self.tensors if self.tensor_class[t.name] == cls)
+
+    @cached_property
+    def total_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors)
+
+    @cached_property
+    def dense_bytes(self) -> int:
+        return self.bytes_of("dense")
+
+    @cached_property
+    def layer_dense_bytes(self) -> tuple[int, ...]:
+        """Dense bytes of each trunk block (what moves with the block in a multi-GPU split)."""
+        per_layer = [0] * self.hparams.n_trunk
+        for t in self.tensors:
+            layer = tensor_layer(t.name)
+            if self.tensor_class[t.name] == "dense" and layer is not None:
+                per_layer[layer] += t.n_bytes
+        return tuple(per_layer)
+
+    @cached_property
+    def global_dense_bytes(self) -> dict:
+        """Dense tensors outside the blocks: embeddings, final norm, output head."""
+        return {t.name: t.n_bytes for t in self.tensors
+                if self.tensor_class[t.name] == "dense" and tensor_layer(t.name) is None}
+
+    @cached_property
+    def expert_layers(self) -> tuple[ExpertLayer, ...]:
+        return tuple(layer for layer in self._expert_layers() if layer.layer < self.hparams.n_trunk)
+
+    @cached_property
+    def drafter_expert_layers(self) -> tuple[ExpertLayer, ...]:
+        return tuple(layer for layer in self._expert_layers() if layer.layer >= self.hparams.n_trunk)
+
+    def _expert_layers(self) -> list[ExpertLayer]:
+        blobs: dict[int, int] = {}
+        for t in self.tensors:
+            if self.tensor_class[t.name] in ("expert", "drafter_expert"):
+                # (row length, rows per expert, experts): one expert is ne1 rows
+                blobs[tensor_layer(t.name)] = blobs.get(tensor_layer(t.name), 0) + row_bytes(t.shape[0], t.ggml_type) * t.shape[1]
+        return [ExpertLayer(layer, self.hparams.n_expert, blob) for layer, blob in sorted(blobs.items())]
+
+    @cached_property
+    def largest_expert_blob_bytes(self) -> int:
+        """The size of one prefill-ring / expert-cache slot: any trunk expert fits in it."""
+        return max(layer.blob_bytes for layer in self.expert_layers)
+
+    @cached_property
+    def drafter_dense_bytes(self) -> int:
+        return self.bytes_of("drafter_dense")
+
+    @cached_property
+    def drafter_expert_bytes(self) -> int:
+        return self.bytes_of("drafter_expert")
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.hparams.n_nextn > 0
+
+    def kv_bytes_per_token(self, kv: KVType) -> int:
+        """One token's K and V in one attention block (every block, trunk or NextN, has the same heads)."""
+        hp = self.hparams
+        return row_bytes(hp.n_head_kv * hp.head_dim_k, kv.k_type) + row_bytes(hp.n_head_kv * hp.head_dim_v, kv.v_type)
+
+    @cached_property
+    def summary(self) -> dict:
+        """What a plan records of its model, so a refusal can say what differs."""
+        hp = self.hparams
+        return {"architecture": hp.architecture, "blocks": hp.n_layer, "nextn_blocks": hp.n_nextn,
+                "embedding": hp.n_embd, "heads": hp.n_head, "kv_heads": hp.n_head_kv, "experts": hp.n_expert,
+                "experts_used": hp.n_expert_used, "vocab": hp.n_vocab, "tensors": len(self.tensors),
+                "total_bytes": self.total_bytes, "dense_bytes": self.dense_bytes,
+                "expert_bytes": self.bytes_of("expert"), "drafter_dense_bytes": self.drafter_dense_bytes,
+                "drafter_expert_bytes": self.drafter_expert_bytes}
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Hash of the inventory (names, types, shapes) and structural hyperparameters, not of the file:
+        a plan made from a model card accepts the real GGUF that matches it."""
+        structure = {key: getattr(self.hparams, key) for key in _STRUCTURAL}
+        inventory = sorted((t.name, t.ggml_type.name, list(t.shape)) for t in self.tensors)
+        return hashlib.sha256(json.dumps([structure, inventory]).encode()).hexdigest()[:16]
+
+
+def inventory(header: GGUFHeader, name: str) -> Model:
+    """Classify every tensor of a header and check it against its architecture's layout."""
+    source = header.source
+    embedding = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    hp = hparams_from_metadata(header.metadata, source, embedding.shape[1] if embedding and len(embedding.shape) > 1
+                               else None)
+    present = {t.name: t for t in header.tensors}
+    for tensor_name, shape in tensor_layout(hp):
+        tensor = present.get(tensor_name)
+        if tensor is None:
+            if tensor_role(tensor_name) in _REQUIRED_ROLES:
+                raise StratumError(f"missing tensor {tensor_name!r} that {hp.architecture} needs", source=source)
+        elif tuple(tensor.shape) != shape:
+            raise StratumError(f"tensor {tensor_name!r} has shape {list(tensor.shape)}, expected {list(shape)} "
+                               "from the metadata", source=source)
+    classes = {t.name: _classify(t.name, hp) for t in header.tensors}
+    return Model(name=name, source=source, hparams=hp, tensors=tuple(header.tensors), tensor_class=classes)
+
+
+def _classify(name: str, hp: HParams) -> str:
+    layer = tensor_layer(name)
+    is_expert = tensor_role(name) in EXPERT_ROLES
+    if layer is not None and layer >= hp.n_trunk:
+        return "drafter_expert" if is_expert else "drafter_dense"
+    return "expert" if is_expert else "dense"
+
+
+def bundled_cards() -> list[str]:
+    return sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))
+
+
+def load_model(spec) -> Model:
+    """A GGUF file (complete or only its header), a model card YAML, or a bundled card's name."""
+    path = Path(spec)
+    if path.suffix.lower() == ".gguf" or (path.is_file() and path.suffix.lower() not in (".yaml", ".yml")):
+        return inventory(read_header(path), name=path.stem)
+    if path.suffix.lower() in (".yaml", ".yml"):
+        return inventory(card_header(path), name=path.stem)
+    if (MODELS_DIR / f"{spec}.yaml").exists():
+        return inventory(card_header(MODELS_DIR / f"{spec}.yaml"), name=str(spec))
+    raise StratumError(f"no GGUF file, card file or bundled model card named {str(spec)!r}; bundled cards: "
+                       f"{', '.join(bundled_cards())}")

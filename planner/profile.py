@@ -1,0 +1,172 @@
+"""Hardware profile: a YAML file describing the GPUs and the host, turned into a typed, validated object.
+
+The schema, with every field's meaning, is `plans/hardware/SCHEMA.md`. Bundled profiles live in
+`plans/hardware/<name>.yaml`; `load_profile` takes such a name or a path.
+"""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from planner.errors import StratumError
+from planner.units import parse_bytes, parse_flops, parse_rate, parse_seconds
+from plans import HARDWARE_DIR
+
+# field -> (parser, default written as in the YAML, or None when required)
+_GPU_FIELDS = {
+    "vram": (parse_bytes, None),
+    "reserved": (parse_bytes, None),
+    "memory_bandwidth": (parse_rate, None),
+    "fp32": (parse_flops, None),
+    "fp16": (parse_flops, None),
+    "host_to_device": (parse_rate, None),
+    "device_to_host": (parse_rate, None),
+    "zero_copy_read": (parse_rate, "host_to_device"),
+    "copy_latency": (parse_seconds, "10 us"),
+    "graph_node_overhead": (parse_seconds, "1 us"),
+}
+_HOST_FIELDS = {
+    "ram": (parse_bytes, None),
+    "pinned_budget": (parse_bytes, None),
+}
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return float(f"{value:.12g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    vram_bytes: int
+    reserved_bytes: int               # CUDA context, driver, display: never ours
+    memory_bandwidth_bytes_per_s: float   # achievable device read bandwidth
+    fp32_flops: float
+    fp16_flops: float
+    host_to_device_bytes_per_s: float     # pinned copy, host to device
+    device_to_host_bytes_per_s: float
+    zero_copy_read_bytes_per_s: float     # a kernel reading mapped pinned host memory
+    copy_latency_s: float                 # fixed cost of one async copy before bytes flow
+    graph_node_overhead_s: float          # one kernel node replayed from a CUDA graph
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.vram_bytes - self.reserved_bytes
+
+
+@dataclass(frozen=True)
+class Host:
+    ram_bytes: int
+    pinned_budget_bytes: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    gpus: tuple[GPU, ...]
+    host: Host
+    source: str
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of the figures (not of the file's text): reformatting a profile keeps its plans valid."""
+        figures = {"gpus": [asdict(g) for g in self.gpus], "host": asdict(self.host)}
+        # '0.98 us' and '980 ns' differ in the last bit of a float: hash 12 significant digits
+        text = json.dumps(_rounded(figures), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def with_vram(self, vram_bytes: int) -> "Profile":
+        """The same machine with a smaller (emulated) card: what the H200 runs to behave like an 8 GB card."""
+        gpus = tuple(replace(g, vram_bytes=vram_bytes) for g in self.gpus)
+        return replace(self, gpus=gpus, name=f"{self.name}@{vram_bytes // 2**20}MiB")
+
+
+def bundled_profiles() -> list[str]:
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+def load_profile(name_or_path) -> Profile:
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        path = HARDWARE_DIR / f"{name_or_path}.yaml"
+        if not path.exists():
+            raise StratumError(
+                f"no bundled hardware profile named {name_or_path!r}; bundled: {', '.join(bundled_profiles())}"
+                " (or give a path to a profile YAML)")
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise StratumError(f"cannot read hardware profile: {err.strerror}", source=str(path)) from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise StratumError(f"not valid YAML: {err}".replace("\n", " "), source=str(path)) from None
+    return parse_profile(document, source=str(path), default_name=path.stem)
+
+
+def parse_profile(document, source: str, default_name: str = "profile") -> Profile:
+    if not isinstance(document, dict):
+        raise StratumError("expected a mapping with 'gpus' and 'host'", source=source)
+    _refuse_unknown(document, {"name", "description", "gpus", "host"}, source, "")
+    gpus_doc = document.get("gpus")
+    if not isinstance(gpus_doc, list) or not gpus_doc:
+        raise StratumError("expected a non-empty list of GPUs", source=source, field="gpus")
+    gpus = tuple(_parse_gpu(g, source, f"gpus[{i}]") for i, g in enumerate(gpus_doc))
+    host_doc = document.get("host")
+    if not isinstance(host_doc, dict):
+        raise StratumError("expected a mapping with 'ram' and 'pinned_budget'", source=source, field="host")
+    _refuse_unknown(host_doc, set(_HOST_FIELDS), source, "host.")
+    host_values = _parse_fields(host_doc, _HOST_FIELDS, source, "host.")
+    host = Host(ram_bytes=host_values["ram"], pinned_budget_bytes=host_values["pinned_budget"])
+    if host.pinned_budget_bytes > host.ram_bytes:
+        raise StratumError("is larger than host.ram", source=source, field="host.pinned_budget")
+    return Profile(name=str(document.get("name", default_name)), description=str(document.get("description", "")),
+                   gpus=gpus, host=host, source=source)
+
+
+def _parse_gpu(doc, source: str, where: str) -> GPU:
+    if not isinstance(doc, dict):
+        raise StratumError("expected a mapping of GPU fields", source=source, field=where)
+    _refuse_unknown(doc, set(_GPU_FIELDS) | {"name"}, source, where + ".")
+    v = _parse_fields(doc, _GPU_FIELDS, source, where + ".")
+    if v["reserved"] >= v["vram"]:
+        raise StratumError("must be smaller than vram", source=source, field=where + ".reserved")
+    for field in ("memory_bandwidth", "fp32", "fp16", "host_to_device", "device_to_host", "zero_copy_read"):
+        if v[field] <= 0:
+            raise StratumError("must be positive", source=source, field=f"{where}.{field}")
+    return GPU(name=str(doc.get("name", "GPU")), vram_bytes=v["vram"], reserved_bytes=v["reserved"],
+               memory_bandwidth_bytes_per_s=v["memory_bandwidth"], fp32_flops=v["fp32"], fp16_flops=v["fp16"],
+               host_to_device_bytes_per_s=v["host_to_device"], device_to_host_bytes_per_s=v["device_to_host"],
+               zero_copy_read_bytes_per_s=v["zero_copy_read"], copy_latency_s=v["copy_latency"],
+               graph_node_overhead_s=v["graph_node_overhead"])
+
+
+def _parse_fields(doc: dict, fields: dict, source: str, prefix: str) -> dict:
+    values = {}
+    for field, (parse, default) in fields.items():
+        if field in doc:
+            values[field] = parse(doc[field], source=source, field=prefix + field)
+        elif default is None:
+            raise StratumError("missing (required)", source=source, field=prefix + field)
+        elif default in values:     # defaults to another field's value
+            values[field] = values[default]
+        else:
+            values[field] = parse(default)
+    return values
+
+
+def _refuse_unknown(doc: dict, known: set, source: str, prefix: str):
+    unknown = sorted(set(map(str, doc)) - known)
+    if unknown:
+        raise StratumError(f"unknown field; known fields: {', '.join(sorted(known))}", source=source,
+                           field=prefix + unknown[0])

@@ -1,0 +1,271 @@
+"""Hardware profiles: the bundled ones load, bad files are refused with a message naming file and field."""
+
+import copy
+
+import pytest
+import yaml
+
+from planner.errors import StratumError
+from planner.profile import bundled_profiles, load_profile
+
+BUNDLED = [
+    "h200-141g",
+    "rtx-2060-super-8g",
+    "rtx-3090-24g",
+    "rtx-4090-24g",
+    "rtx-5070-ti-16g",
+    "rtx-5090-32g",
+    "rx-7900-xtx-24g",
+]
+
+GPU = {
+    "name": "Test GPU",
+    "vram": "8 GiB",
+    "reserved": "512 MiB",
+    "memory_bandwidth": "403 GB/s",
+    "fp32": "7.18 TFLOPS",
+    "fp16": "28.7 TFLOPS",
+    "host_to_device": "6.5 GB/s",
+    "device_to_host": "6.5 GB/s",
+    "zero_copy_read": "6 GB/s",
+    "copy_latency": "10 us",
+    "graph_node_overhead": "1 us",
+}
+DOC = {"name": "test", "description": "a test profile", "gpus": [GPU], "host": {"ram": "64 GiB", "pinned_budget": "48 GiB"}}
+
+
+def write(tmp_path, doc, name="profile.yaml"):
+    path = tmp_path / name
+    path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def variant(**gpu_changes):
+    """DOC with gpus[0] changed; a value of None drops the field."""
+    doc = copy.deepcopy(DOC)
+    for field, value in gpu_changes.items():
+        if value is None:
+            del doc["gpus"][0][field]
+        else:
+            doc["gpus"][0][field] = value
+    return doc
+
+
+def refused(path) -> str:
+    with pytest.raises(StratumError) as info:
+        load_profile(path)
+    return str(info.value)
+
+
+# --- bundled profiles -------------------------------------------------------------------------------------------
+
+def test_bundled_profiles_lists_all_seven():
+    assert set(BUNDLED) <= set(bundled_profiles())
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_profile_loads(name):
+    profile = load_profile(name)
+    assert profile.name == name
+    assert profile.description
+    assert len(profile.gpus) == 1
+    gpu = profile.gpus[0]
+    assert gpu.usable_bytes > 0
+    for rate in (gpu.memory_bandwidth_bytes_per_s, gpu.host_to_device_bytes_per_s, gpu.device_to_host_bytes_per_s,
+                 gpu.zero_copy_read_bytes_per_s, gpu.fp32_flops, gpu.fp16_flops):
+        assert rate > 0
+    assert gpu.memory_bandwidth_bytes_per_s > gpu.host_to_device_bytes_per_s
+    assert gpu.zero_copy_read_bytes_per_s <= gpu.host_to_device_bytes_per_s
+    assert 0 < gpu.copy_latency_s < 1e-3 and 0 < gpu.graph_node_overhead_s < 1e-4
+    assert 0 < profile.host.pinned_budget_bytes <= profile.host.ram_bytes
+
+
+def test_h200_leaves_139_gib_usable():
+    gpu = load_profile("h200-141g").gpus[0]
+    assert gpu.vram_bytes == 143771 * 2**20
+    assert gpu.usable_bytes == 139 * 2**30
+
+
+def test_good_file_parses_with_units(tmp_path):
+    profile = load_profile(write(tmp_path, DOC))
+    gpu = profile.gpus[0]
+    assert gpu.vram_bytes == 8 * 2**30 and gpu.usable_bytes == 8 * 2**30 - 512 * 2**20
+    assert gpu.memory_bandwidth_bytes_per_s == 403e9
+    assert gpu.copy_latency_s == pytest.approx(10e-6)
+
+
+def test_defaults(tmp_path):
+    profile = load_profile(write(tmp_path, variant(zero_copy_read=None, copy_latency=None, graph_node_overhead=None)))
+    gpu = profile.gpus[0]
+    assert gpu.zero_copy_read_bytes_per_s == gpu.host_to_device_bytes_per_s
+    assert gpu.copy_latency_s == pytest.approx(10e-6)
+    assert gpu.graph_node_overhead_s == pytest.approx(1e-6)
+
+
+def test_multi_gpu_profile(tmp_path):
+    doc = copy.deepcopy(DOC)
+    second = dict(GPU, name="Second GPU", vram="24 GiB", reserved="700 MiB")
+    doc["gpus"].append(second)
+    profile = load_profile(write(tmp_path, doc))
+    assert [g.name for g in profile.gpus] == ["Test GPU", "Second GPU"]
+    assert profile.gpus[1].usable_bytes == 24 * 2**30 - 700 * 2**20
+
+
+def test_multi_gpu_error_names_the_device(tmp_path):
+    doc = copy.deepcopy(DOC)
+    doc["gpus"].append({k: v for k, v in GPU.items() if k != "fp16"})
+    message = refused(write(tmp_path, doc))
+    assert "gpus[1].fp16" in message and "missing" in message
+
+
+# --- refusals ---------------------------------------------------------------------------------------------------
+
+def test_missing_field(tmp_path):
+    path = write(tmp_path, variant(memory_bandwidth=None))
+    message = refused(path)
+    assert str(path) in message and "gpus[0].memory_bandwidth" in message and "missing" in message
+
+
+def test_negative_field(tmp_path):
+    path = write(tmp_path, variant(vram="-8 GiB"))
+    message = refused(path)
+    assert str(path) in message and "gpus[0].vram" in message and "negative" in message
+
+
+def test_zero_bandwidth(tmp_path):
+    path = write(tmp_path, variant(host_to_device="0 GB/s"))
+    message = refused(path)
+    assert str(path) in message and "gpus[0].host_to_device" in message and "positive" in message
+
+
+@pytest.mark.parametrize("value", [8, 8.0, "8"])
+def test_unitless_field(tmp_path, value):
+    path = write(tmp_path, variant(vram=value))
+    message = refused(path)
+    assert str(path) in message and "gpus[0].vram" in message and "no unit" in message
+
+
+def test_unknown_unit(tmp_path):
+    path = write(tmp_path, variant(vram="8 gigs"))
+    message = refused(path)
+    assert str(path) in message and "gpus[0].vram" in message and "unknown unit" in message and "gigs" in message
+
+
+def test_wrong_kind_of_unit(tmp_path):
+    path = write(tmp_path, variant(memory_bandwidth="403 GB"))      # a size where a bandwidth is expected
+    message = refused(path)
+    assert str(path) in message and "gpus[0].memory_bandwidth" in message and "unknown unit" in message
+
+
+def test_unknown_field(tmp_path):
+    doc = variant(memory_bandwidth=None)
+    doc["gpus"][0]["memory_bandwith"] = "403 GB/s"
+    path = write(tmp_path, doc)
+    message = refused(path)
+    assert str(path) in message and "gpus[0].memory_bandwith" in message and "unknown field" in message
+
+
+def test_unknown_top_level_field(tmp_path):
+    doc = copy.deepcopy(DOC)
+    doc["gpu"] = doc.pop("gpus")
+    message = refused(write(tmp_path, doc))
+    assert "gpu" in message and "unknown field" in message
+
+
+@pytest.mark.parametrize("reserved", ["8 GiB", "9 GiB"])
+def test_reserved_not_below_vram(tmp_path, reserved):
+    path = write(tmp_path, variant(reserved=reserved))
+    message = refused(path)
+    assert str(path) in message and "gpus[0].reserved" in message and "vram" in message
+
+
+def test_not_yaml(tmp_path):
+    path = write(tmp_path, "gpus: [ {vram: 8 GiB\nhost: {ram: 64 GiB")
+    message = refused(path)
+    assert str(path) in message and "not valid YAML" in message
+
+
+def test_not_a_mapping(tmp_path):
+    path = write(tmp_path, "- just\n- a list\n")
+    assert str(path) in refused(path)
+
+
+def test_unknown_profile_name():
+    message = refused("rtx-9090-48g")
+    assert "rtx-9090-48g" in message
+    for name in BUNDLED:
+        assert name in message
+
+
+def test_pinned_budget_above_ram(tmp_path):
+    doc = copy.deepcopy(DOC)
+    doc["host"]["pinned_budget"] = "65 GiB"
+    path = write(tmp_path, doc)
+    message = refused(path)
+    assert str(path) in message and "host.pinned_budget" in message and "host.ram" in message
+
+
+def test_missing_host_field(tmp_path):
+    doc = copy.deepcopy(DOC)
+    del doc["host"]["ram"]
+    message = refused(write(tmp_path, doc))
+    assert "host.ram" in message and "missing" in message
+
+
+# --- fingerprint ------------------------------------------------------------------------------------------------
+
+REFORMATTED = """\
+# the same figures as DOC, written differently
+name: another name
+description: reformatted
+host: {pinned_budget: 49152MiB, ram: 65536 MiB}
+gpus:
+- graph_node_overhead: 1us
+  copy_latency: "10  us"
+  zero_copy_read: 6000 MB/s
+  device_to_host: 6500 MB/s
+  host_to_device: 6.5GB/s
+  fp16: 28700 GFLOPS
+  fp32: 7180 GFLOPS
+  memory_bandwidth: 403000 MB/s
+  reserved: 0.5 GiB
+  vram: 8192 MiB
+  name: Test GPU
+"""
+
+
+def test_fingerprint_ignores_formatting(tmp_path):
+    original = load_profile(write(tmp_path, DOC, "a.yaml"))
+    reformatted = load_profile(write(tmp_path, REFORMATTED, "b.yaml"))
+    assert reformatted.fingerprint == original.fingerprint
+
+
+@pytest.mark.parametrize("change", [{"vram": "8 GB"}, {"reserved": "513 MiB"}, {"memory_bandwidth": "404 GB/s"},
+                                    {"zero_copy_read": None}, {"copy_latency": "11 us"}])
+def test_fingerprint_changes_with_a_figure(tmp_path, change):
+    original = load_profile(write(tmp_path, DOC, "a.yaml"))
+    changed = load_profile(write(tmp_path, variant(**change), "b.yaml"))
+    assert changed.fingerprint != original.fingerprint
+
+
+def test_fingerprint_changes_with_host(tmp_path):
+    doc = copy.deepcopy(DOC)
+    doc["host"]["pinned_budget"] = "40 GiB"
+    assert load_profile(write(tmp_path, doc, "b.yaml")).fingerprint != load_profile(write(tmp_path, DOC)).fingerprint
+
+
+@pytest.mark.parametrize("a, b", [("0.98 us", "980 ns"), ("1 us", "1000 ns"), ("10 us", "0.01 ms")])
+def test_fingerprint_ignores_float_rounding_of_units(tmp_path, a, b):
+    one = load_profile(write(tmp_path, variant(graph_node_overhead=a), "a.yaml"))
+    other = load_profile(write(tmp_path, variant(graph_node_overhead=b), "b.yaml"))
+    assert one.fingerprint == other.fingerprint
+
+
+def test_with_vram_emulates_a_small_card():
+    h200 = load_profile("h200-141g")
+    small = h200.with_vram(8 * 2**30)
+    gpu = small.gpus[0]
+    assert gpu.vram_bytes == 8 * 2**30
+    assert gpu.usable_bytes == 8 * 2**30 - h200.gpus[0].reserved_bytes
+    assert gpu.host_to_device_bytes_per_s == h200.gpus[0].host_to_device_bytes_per_s
+    assert small.fingerprint != h200.fingerprint
