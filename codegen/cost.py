@@ -1,47 +1,95 @@
-"""Roofline time of a pass graph on a GPU: each node takes max(FLOPs / peak, bytes / bandwidth).
+"""Roofline time of a pass on a GPU: each node takes max(FLOPs / peak, bytes / bandwidth).
 
-Activations are float32 and the kernels run on CUDA cores, so the FP32 peak is the compute roof. Routed
-experts are not costed here beyond their arithmetic: whether an expert's bytes come from a cache slot, the
-prefill ring or mapped host memory is the planner's business (`planner.predict`), so their weight bytes are
-returned apart, per layer.
+Activations are float32 and the kernels run on CUDA cores, so the FP32 peak is the compute roof. The graph
+may hold one representative block per kind (`graph.representative_layers`); each representative stands for
+every block of its kind that the device runs, with that block's own weight bytes, so the cost is exact
+without building the full graph. Routed experts are costed here only for their arithmetic and activations:
+whether an expert's bytes come from a cache slot, the prefill ring or mapped host memory is the planner's
+business (`planner.predict`).
+
+Times take numpy arrays for the context: the planner evaluates many candidate layouts at once.
 """
 
 from dataclasses import dataclass, field
 
 import networkx as nx
+import numpy as np
 
+from planner.architecture import tensor_layer
 from planner.profile import GPU
 
 
 @dataclass
 class PassCost:
-    dense_s: float = 0.0                  # every node but the routed-expert ops, weights read from VRAM
-    expert_compute_s: dict = field(default_factory=dict)   # layer -> arithmetic + activations of its expert ops
-    kv_read_bytes_per_token: int = 0      # K/V bytes one more context position adds to the pass
-    n_nodes: int = 0                      # kernel launches (graph nodes) the pass replays
+    fixed_s: float = 0.0              # every node but attention and routed experts
+    attention: list = field(default_factory=list)   # (flops, flops per context token, bytes, K/V bytes per
+    #                                                    resident context token, blocks it stands for)
+    block_fixed_s: float = 0.0        # one MoE block's fixed part (attention excluded): the ring's prefetch window
+    expert_compute_s: float = 0.0     # one MoE block's expert arithmetic and activations (weights excluded)
+    kv_bytes_per_token: int = 0       # K/V bytes one context position adds, over all the pass's blocks
+    n_nodes: int = 0                  # kernel launches the pass replays
+    peak_flops: float = 1.0
+    bandwidth: float = 1.0
 
-    def launch_s(self, gpu: GPU) -> float:
-        return self.n_nodes * gpu.graph_node_overhead_s
+    def attention_s(self, context_tokens, resident_tokens, per_block: bool = False):
+        total = 0.0
+        for flops, flops_per_token, moved, kv_per_token, blocks in self.attention:
+            seconds = np.maximum((flops + flops_per_token * context_tokens) / self.peak_flops,
+                                 (moved + kv_per_token * resident_tokens) / self.bandwidth)
+            if per_block:
+                return seconds
+            total = total + blocks * seconds
+        return total
+
+    def dense_s(self, context_tokens, resident_tokens):
+        """Everything but the routed experts, with `resident_tokens` of the context's K/V read from VRAM."""
+        return self.fixed_s + self.attention_s(context_tokens, resident_tokens)
+
+    def block_s(self, context_tokens, resident_tokens):
+        """One MoE block's dense part: the window in which a deep prefill ring copies ahead."""
+        return self.block_fixed_s + self.attention_s(context_tokens, resident_tokens, per_block=True)
 
 
-def pass_cost(graph: nx.DiGraph, gpu: GPU, context_tokens: int, resident_tokens: int | None = None) -> PassCost:
-    """Cost of one pass whose attention spans `context_tokens` positions, of which `resident_tokens` (default
-    all) are in VRAM; the K/V of the others is the planner's to stream."""
-    resident = context_tokens if resident_tokens is None else min(resident_tokens, context_tokens)
-    cost = PassCost()
+def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = (True, True)) -> PassCost:
+    """Cost of `graph` run over trunk `blocks` (plus the drafter's block where the graph has it).
+
+    with_globals: (runs the embedding, runs the output head), for a device holding part of the blocks.
+    """
+    hp = model.hparams
+    weight_bytes = {t.name: t.n_bytes for t in model.tensors}
+    represented = {}            # representative block -> the blocks it stands for
+    for block in blocks:
+        kind_rep = 0 if not hp.is_moe_layer(block) else hp.n_leading_dense
+        represented.setdefault(kind_rep, []).append(block)
+    cost = PassCost(peak_flops=gpu.fp32_flops, bandwidth=gpu.memory_bandwidth_bytes_per_s)
     for name, node in graph.nodes(data=True):
-        if node["op"] in ("input",):
+        if node["op"] == "input":
             continue
-        cost.n_nodes += 1
-        flops = node["flops"] + node.get("flops_per_context_token", 0.0) * context_tokens
-        moved = node["out_bytes"] + sum(graph.nodes[p]["out_bytes"] for p in graph.predecessors(name))
-        kv_read = node.get("kv_read", 0)
-        cost.kv_read_bytes_per_token += kv_read
-        moved += node["weight_bytes"] + kv_read * resident + node.get("kv_write", 0)
-        seconds = max(flops / gpu.fp32_flops, moved / gpu.memory_bandwidth_bytes_per_s)
-        if "expert_layer" in node:
-            layer = node["expert_layer"]
-            cost.expert_compute_s[layer] = cost.expert_compute_s.get(layer, 0.0) + seconds
+        rep = tensor_layer(name)
+        if rep is None or rep >= hp.n_trunk:
+            # the embedding runs where the first block is; the head and the drafter where the last one is
+            stands_for = [None] if with_globals[0 if name == "embed" else 1] else []
         else:
-            cost.dense_s += seconds
+            stands_for = represented.get(rep, [])
+        if not stands_for:
+            continue
+        activations = node["out_bytes"] + sum(graph.nodes[p]["out_bytes"] for p in graph.predecessors(name))
+        cost.n_nodes += len(stands_for)
+        if node["op"] == "attention":
+            moved = activations + node["weight_bytes"]
+            cost.attention.append((node["flops"], node["flops_per_context_token"], moved, node["kv_read"],
+                                   len(stands_for)))
+            cost.kv_bytes_per_token += node["kv_read"] * len(stands_for)
+            continue
+        moved = activations + node.get("kv_write", 0)
+        if "expert_layer" in node:
+            cost.expert_compute_s += max(node["flops"] / gpu.fp32_flops, moved / gpu.memory_bandwidth_bytes_per_s)
+            continue
+        for block in stands_for:
+            weights = node["weight_bytes"] if block is None or block == rep else \
+                sum(weight_bytes[w.replace(f"blk.{rep}.", f"blk.{block}.", 1)] for w in node["weights"])
+            seconds = max(node["flops"] / gpu.fp32_flops, (moved + weights) / gpu.memory_bandwidth_bytes_per_s)
+            cost.fixed_s += seconds
+            if block is not None and block == rep and hp.is_moe_layer(rep):
+                cost.block_fixed_s += seconds
     return cost

@@ -1,0 +1,196 @@
+"""From a solved layout to a Plan: regions, predictions, what binds, and why each knob has its value.
+
+The explanations are counterfactuals priced by the same cost model: each knob moved one step either way
+(the expert cache taking up or giving back the difference) and what that would cost or gain.
+"""
+
+import numpy as np
+
+from planner import __version__
+from planner.layout import REGION_PURPOSE
+from planner.plan import Plan
+from planner.solve import (MIN_RING_SLOTS, Knobs, Problem, chunk_candidates, decode_token_s, feasible_cache,
+                           host_bytes, prefill_s, regions, request_s)
+from planner.units import format_bytes, format_rate
+
+STANDARD_PROMPT_TOKENS = (512, 4096, 16384)
+STANDARD_DEPTHS = (1024, 4096, 16384, 32768, 131072)
+
+
+def assemble(problem: Problem, knobs: Knobs) -> Plan:
+    model, profile, wl = problem.model, problem.profile, problem.workload
+    layout = regions(problem, knobs)
+    devices = []
+    for i, share in enumerate(problem.shares):
+        own = [r for r in layout if r.device == i]
+        used = max(r.end for r in own)
+        devices.append({
+            "index": i, "gpu": share.gpu.name, "vram_bytes": share.gpu.vram_bytes,
+            "reserved_bytes": share.gpu.reserved_bytes, "usable_bytes": share.gpu.usable_bytes,
+            "used_bytes": used, "free_bytes": share.gpu.usable_bytes - used,
+            "blocks": [share.blocks[0], share.blocks[-1] + 1], "holds_drafter": share.last and problem.mtp,
+            "regions": [{"name": r.name, "offset": r.offset, "bytes": r.bytes, "purpose": REGION_PURPOSE[r.name]}
+                        for r in own]})
+    plan_knobs = {
+        "chunk_tokens": knobs.chunk_tokens, "page_tokens": problem.page_tokens, "kv_pages": knobs.kv_pages,
+        "kv_resident_tokens": int(problem.resident_tokens(knobs.kv_pages)),
+        "expert_cache_slots": list(knobs.cache_slots), "prefill_ring_slots": knobs.ring_slots,
+        "slot_bytes": problem.slot_bytes, "draft_depth": knobs.draft_depth,
+        "drafter_window_tokens": knobs.drafter_window_tokens,
+        "drafter_kv_pages": problem.drafter_pages(knobs.chunk_tokens),
+        "room_slots": problem.room_slots, "room_min_read_tokens": knobs.room_min_read_tokens,
+        "cache_policy": "frequency"}
+    return Plan(
+        model={"name": model.name, "fingerprint": model.fingerprint, "summary": model.summary},
+        profile={"name": profile.name, "fingerprint": profile.fingerprint},
+        settings={"context_tokens": problem.context_tokens, "kv": problem.kv.name, "mtp": problem.mtp,
+                  "stratum": __version__,
+                  "workload": {"prompts": [{"tokens": t, "weight": w} for t, w in wl.prompts],
+                               "decode_tokens": wl.decode_tokens, "reused_prefix": wl.reused_prefix,
+                               "draft_acceptance": wl.draft_acceptance, "drafter_window": wl.drafter_window,
+                               "expert_popularity": {"skew": wl.skew} if wl.histogram is None else
+                               {"histogram": "given"}},
+                  "host_pinned_bytes": host_bytes(problem)},
+        devices=devices, knobs=plan_knobs, predictions=predictions(problem, knobs),
+        binding=binding(problem, knobs, devices), explanations=explanations(problem, knobs))
+
+
+def _sig(x: float) -> float:
+    """Four significant digits: predictions are estimates, and plans must be stable text."""
+    return float(f"{float(x):.4g}")
+
+
+def _prefill_with_rule(problem: Problem, knobs: Knobs, read: int, start: int) -> tuple[float, bool]:
+    room = knobs.room_min_read_tokens is not None and read >= knobs.room_min_read_tokens
+    seconds = prefill_s(problem, read, start, knobs.chunk_tokens, knobs.kv_pages, knobs.ring_slots,
+                        list(knobs.cache_slots), room=room)
+    return float(seconds) + (problem.room_reclaim_s if room else 0.0), room
+
+
+def predictions(problem: Problem, knobs: Knobs) -> dict:
+    wl = problem.workload
+    longest = problem.context_tokens - wl.decode_tokens
+    prompts = sorted({t for t, _ in wl.prompts} | {t for t in STANDARD_PROMPT_TOKENS if t <= longest})
+    prefill = []
+    for tokens in prompts:
+        read = wl.read_tokens(tokens)
+        seconds, room = _prefill_with_rule(problem, knobs, read, tokens - read)
+        prefill.append({"prompt_tokens": tokens, "read_tokens": read, "seconds": _sig(seconds),
+                        "tok_s": _sig(read / seconds), "room_open": room})
+    depths = sorted({d for d in STANDARD_DEPTHS if d <= problem.context_tokens} | {problem.context_tokens})
+    decode = []
+    resident = problem.resident_tokens(knobs.kv_pages)
+    for depth in depths:
+        step = sum(float(c.window_s(1, depth, s, resident)) for c, s in zip(problem.costs, knobs.cache_slots))
+        per_token, best_depth = decode_token_s(problem, depth, knobs.kv_pages, list(knobs.cache_slots))
+        row = {"depth": depth, "tok_s": _sig(1.0 / float(per_token)), "draft_depth": int(best_depth),
+               "tok_s_without_mtp": _sig(1.0 / step), "expert_hit_rate": _sig(hit_rate(problem, knobs))}
+        decode.append(row)
+    objective = request_s(problem, knobs.chunk_tokens, knobs.kv_pages, knobs.ring_slots, list(knobs.cache_slots))
+    return {"prefill": prefill, "decode": decode, "request_seconds": _sig(objective)}
+
+
+def hit_rate(problem: Problem, knobs: Knobs) -> float:
+    """Share of a decode step's routed-expert bytes found in the cache."""
+    total = sum(c.step_expert_bytes for c in problem.costs)
+    miss = sum(float(c.step_miss_bytes.total(s)) for c, s in zip(problem.costs, knobs.cache_slots))
+    return 1.0 - miss / total if total else 1.0
+
+
+def binding(problem: Problem, knobs: Knobs, devices: list) -> list[str]:
+    lines = []
+    for device, cost, slots in zip(devices, problem.costs, knobs.cache_slots):
+        if slots >= problem.cache_slots_max(device["index"]):
+            lines.append(f"GPU {device['index']}: every routed expert is cached; VRAM does not bind "
+                         f"({format_bytes(device['free_bytes'])} left free)")
+        else:
+            lines.append(f"GPU {device['index']}: VRAM binds: the expert cache takes the last "
+                         f"{format_bytes(slots * problem.slot_bytes)} ({slots} slots of "
+                         f"{len(cost.moe_blocks) * problem.model.hparams.n_expert}); each prefill-ring slot, "
+                         f"{format_bytes(problem.slot_bytes)} of K/V ring or of arena costs one cache slot")
+    gpu = problem.shares[0].gpu
+    rate = hit_rate(problem, knobs)
+    lines.append(f"decode: {rate:.1%} of routed-expert bytes hit the cache; misses read host memory at "
+                 f"{format_rate(gpu.zero_copy_read_bytes_per_s)} against {format_rate(gpu.memory_bandwidth_bytes_per_s)} "
+                 "from VRAM")
+    longest = max(t for t, _ in problem.workload.prompts)
+    read = problem.workload.read_tokens(longest)
+    chunk = min(knobs.chunk_tokens, read)
+    cost = problem.costs[-1]
+    miss_table, count_table, _, _ = cost.window_tables(chunk)
+    streamed = float(miss_table.total(knobs.cache_slots[-1]))
+    copy_s = streamed / cost.gpu.host_to_device_bytes_per_s
+    whole = float(prefill_s(problem, chunk, 0, knobs.chunk_tokens, knobs.kv_pages, knobs.ring_slots,
+                            list(knobs.cache_slots), room=False))
+    bound = "the host link" if copy_s >= 0.5 * whole else "compute"
+    lines.append(f"prefill: a {chunk}-token chunk streams {format_bytes(streamed)} of experts "
+                 f"({copy_s * 1e3:.1f} ms at {format_rate(cost.gpu.host_to_device_bytes_per_s)}) in a "
+                 f"{whole * 1e3:.1f} ms chunk: bound by {bound}")
+    return lines
+
+
+def _objective(problem: Problem, knobs: Knobs, **changes) -> float | None:
+    """The request time with some knobs changed and the cache refilled from what is left; None: no fit."""
+    chunk = changes.get("chunk_tokens", knobs.chunk_tokens)
+    pages = changes.get("kv_pages", knobs.kv_pages)
+    ring = changes.get("ring_slots", knobs.ring_slots)
+    if pages < problem.min_pages(chunk) or pages > problem.full_pages or ring < MIN_RING_SLOTS:
+        return None
+    cache = feasible_cache(problem, chunk, np.array(pages), np.array(ring), problem.arena_bytes(chunk))
+    if any(int(c) < 0 for c in cache):
+        return None
+    return float(request_s(problem, chunk, pages, ring, [int(c) for c in cache]))
+
+
+def _versus(base: float, other: float | None, what: str) -> str:
+    if other is None:
+        return f"{what} does not fit"
+    change = (other - base) / base
+    return f"{what} would make a request {abs(change):.1%} {'slower' if change >= 0 else 'faster'}"
+
+
+def explanations(problem: Problem, knobs: Knobs) -> dict:
+    base = _objective(problem, knobs)
+    notes = {}
+    chunks = chunk_candidates(problem)
+    i = chunks.index(knobs.chunk_tokens)
+    options = [c for c in (chunks[i - 1] if i else None, chunks[i + 1] if i + 1 < len(chunks) else None) if c]
+    notes["chunk_tokens"] = (f"{knobs.chunk_tokens} positions per prefill pass (arena "
+                             f"{format_bytes(problem.arena_bytes(knobs.chunk_tokens))}); " +
+                             "; ".join(_versus(base, _objective(problem, knobs, chunk_tokens=c), f"{c}")
+                                       for c in options))
+    step = max(1, knobs.kv_pages // 8)
+    notes["kv_pages"] = (f"{knobs.kv_pages} pages of {problem.page_tokens} positions keep the last "
+                         f"{int(problem.resident_tokens(knobs.kv_pages))} of {problem.context_tokens} positions' K/V in "
+                         "VRAM; " + "; ".join(_versus(base, _objective(problem, knobs, kv_pages=p), f"{p} pages")
+                                              for p in (knobs.kv_pages - step, knobs.kv_pages + step)))
+    notes["prefill_ring_slots"] = (f"{knobs.ring_slots} slots of {format_bytes(problem.slot_bytes)}; " +
+                                   "; ".join(_versus(base, _objective(problem, knobs, ring_slots=r), f"{r} slots")
+                                             for r in (knobs.ring_slots - 1, knobs.ring_slots + 1,
+                                                       2 * knobs.ring_slots)))
+    notes["expert_cache_slots"] = ("what is left of each GPU after the other regions: more cache never costs "
+                                   f"time; decode hit rate {hit_rate(problem, knobs):.1%}")
+    if problem.mtp:
+        depth = max(t for t, _ in problem.workload.prompts)
+        per_n = []
+        resident = problem.resident_tokens(knobs.kv_pages)
+        draft = sum(c.draft_s(depth, problem.workload.drafter_window) for c in problem.costs)
+        a = problem.workload.draft_acceptance
+        for n in range(0, 5):
+            verify = sum(float(c.window_s(1 + n, depth, s, resident)) for c, s in zip(problem.costs, knobs.cache_slots))
+            per_n.append(f"{n}: {sum(a ** i for i in range(n + 1)) / (n * draft + verify):.1f} tok/s")
+        notes["draft_depth"] = (f"{knobs.draft_depth} drafts per verify window at acceptance {a}; at depth {depth}: "
+                                + ", ".join(per_n))
+        notes["drafter_window_tokens"] = (f"{knobs.drafter_window_tokens} positions, from the workload's "
+                                          "drafter_window; its ring holds them plus one page")
+        gain = problem.room_reclaim_s
+        if knobs.room_min_read_tokens is None:
+            notes["room_min_read_tokens"] = (f"the room ({problem.room_slots} extra ring slots from the drafter's "
+                                             f"experts) never saves more than the {gain * 1e3:.0f} ms that copying "
+                                             "them back costs: it stays shut")
+        else:
+            notes["room_min_read_tokens"] = (f"the room adds {problem.room_slots} ring slots while a prompt is read; "
+                                             f"giving it back costs {gain * 1e3:.0f} ms (copying "
+                                             f"{format_bytes(problem.model.drafter_expert_bytes)} of drafter experts), "
+                                             f"which reads of {knobs.room_min_read_tokens} tokens or more repay")
+    return notes

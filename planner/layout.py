@@ -1,0 +1,80 @@
+"""Byte-exact VRAM regions of one GPU, in the order the runtime carves them from its one device arena.
+
+Every region starts on a 256-byte boundary and every tensor inside `dense` / `drafter_dense` does too, so a
+region's bytes are exactly what the runtime will place there: the plan is the truth (DESIGN.md invariant 1).
+"""
+
+from dataclasses import dataclass
+
+from codegen.memory import ARENA_ALIGNMENT_BYTES
+from planner.architecture import tensor_layer
+
+REGION_ORDER = ("dense", "drafter_dense", "drafter_experts", "kv_ring", "drafter_kv", "expert_cache",
+                "prefill_ring", "arena")
+REGION_PURPOSE = {
+    "dense": "attention, norms, router, shared expert, embeddings, output head: read every token",
+    "drafter_dense": "the NextN (MTP) block's dense tensors",
+    "drafter_experts": "the drafter's routed experts (decode only); lent to the prefill ring as the room",
+    "kv_ring": "K/V of the last resident positions, page p in slot p mod pages, over a host copy",
+    "drafter_kv": "the drafter's K/V ring, sized from its window",
+    "expert_cache": "decode's slots for the hottest routed experts; misses read mapped host memory",
+    "prefill_ring": "slots through which a prompt chunk streams the experts it needs",
+    "arena": "activations of the largest pass (static offsets from codegen.memory)",
+}
+
+
+def aligned(n_bytes: int) -> int:
+    return -(-n_bytes // ARENA_ALIGNMENT_BYTES) * ARENA_ALIGNMENT_BYTES
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    device: int
+    offset: int
+    bytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.bytes
+
+
+def tensors_bytes(model, names) -> int:
+    """Bytes of a set of tensors placed one after another, each on an aligned offset."""
+    sizes = {t.name: t.n_bytes for t in model.tensors}
+    return sum(aligned(sizes[name]) for name in names)
+
+
+def dense_tensor_names(model, blocks, first: bool, last: bool) -> list[str]:
+    """The dense tensors a device holds: its blocks', the embedding on the first, the head on the last."""
+    blocks = set(blocks)
+    names = []
+    for t in model.tensors:
+        if model.tensor_class[t.name] != "dense":
+            continue
+        layer = tensor_layer(t.name)
+        if layer is None:
+            if (t.name.startswith("token_embd") and first) or (not t.name.startswith("token_embd") and last):
+                names.append(t.name)
+        elif layer in blocks:
+            names.append(t.name)
+    return names
+
+
+def drafter_tensor_names(model, cls: str) -> list[str]:
+    return [t.name for t in model.tensors if model.tensor_class[t.name] == cls]
+
+
+def kv_ring_bytes(pages: int, page_tokens: int, kv_bytes_per_token: int, n_blocks: int) -> int:
+    return pages * page_tokens * kv_bytes_per_token * n_blocks
+
+
+def carve(device: int, sizes: dict) -> list[Region]:
+    """Regions in REGION_ORDER, back to back on aligned offsets; empty regions are left out."""
+    regions, offset = [], 0
+    for name in REGION_ORDER:
+        size = sizes.get(name, 0)
+        if size:
+            regions.append(Region(name, device, offset, size))
+            offset = aligned(offset + size)
+    return regions

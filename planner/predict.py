@@ -1,0 +1,204 @@
+"""The planner's cost model: tok/s of a layout, from the pass graphs' roofline plus streaming and caching.
+
+`codegen.cost` prices every node of a pass from VRAM. This module adds what only the layout decides:
+- expert cache: each MoE block keeps its hottest experts (frequency-based); decode reads a hit from VRAM and
+  a miss from mapped pinned host memory (zero-copy), so a step needs no copy and no host sync;
+- prefill ring: a chunk streams every expert its tokens touch and the cache lacks, over the host link.
+  Per expert, copy time c and compute time g; a ring slot serves one expert per (latency + c + g), so D slots
+  stream at max(c, (latency + c + g) / D) per expert; during a block's dense part (attention, projections)
+  the copy engine idles unless it can copy the next block's experts ahead into the D - 1 other slots.
+  A chunk takes max(compute, streaming): the two run on separate engines;
+- K/V ring: the last `resident` positions are in VRAM; attention over older ones streams them over the link;
+- MTP: a round drafts n tokens and verifies 1 + n in one window, yielding 1 + a + a^2 + ... + a^n tokens.
+
+Every function takes numpy arrays for the layout variables (cache slots, ring slots, resident tokens), so the
+solver prices thousands of candidate layouts in a few vector operations.
+"""
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from codegen.cost import pass_cost
+from codegen.graph import build_pass, representative_layers
+from planner.kv import KVType
+from planner.profile import GPU
+from planner.workload import Workload
+
+MAX_DRAFT_DEPTH = 4
+CHUNK_SAMPLES = 8       # chunks priced per prompt; a longer prompt's chunks are sampled evenly and scaled
+
+
+class SlotTable:
+    """Sum over a device's MoE blocks of a per-block function of its cache slots.
+
+    A device's `slots` cache slots are spread evenly over its MoE blocks, the first `slots % n` blocks
+    taking one more. values[b, s] is the function for block b holding its s hottest experts.
+    """
+
+    def __init__(self, values: np.ndarray):
+        n_blocks, n_columns = values.shape
+        self.n_blocks = n_blocks
+        self.n_slots_max = n_blocks * (n_columns - 1)
+        self.base_total = values.sum(axis=0)                       # every block at s slots
+        step = np.diff(values, axis=1)                             # block b going from s to s + 1
+        self.extra = np.vstack([np.zeros((1, n_columns - 1)), np.cumsum(step, axis=0)])
+
+    def total(self, slots):
+        slots = np.minimum(np.asarray(slots), self.n_slots_max)
+        base, extra_blocks = np.divmod(slots, self.n_blocks)
+        full = base >= self.extra.shape[1]
+        base_clipped = np.minimum(base, self.extra.shape[1] - 1)
+        return np.where(full, self.base_total[-1], self.base_total[base_clipped] + self.extra[extra_blocks, base_clipped])
+
+
+@dataclass
+class DeviceShare:
+    """The part of the model one GPU runs."""
+    index: int
+    gpu: GPU
+    blocks: tuple           # trunk blocks
+    first: bool             # runs the embedding
+    last: bool              # runs the output head and the drafter
+
+
+class DeviceCost:
+    def __init__(self, model, share: DeviceShare, kv: KVType, workload: Workload, mtp: bool, page_tokens: int):
+        self.model, self.share, self.kv, self.workload, self.mtp = model, share, kv, workload, mtp
+        self.gpu = share.gpu
+        hp = model.hparams
+        self.page_tokens = page_tokens
+        self.moe_blocks = [b for b in share.blocks if hp.is_moe_layer(b)]
+        blob_of = {layer.layer: layer.blob_bytes for layer in model.expert_layers}
+        self.blobs = np.array([blob_of[b] for b in self.moe_blocks], dtype=np.float64)
+        self.mean_blob = float(self.blobs.mean()) if self.moe_blocks else 0.0
+        all_pop = workload.popularity(hp.n_expert, hp.n_expert_used, len(model.expert_layers))
+        index_of = {layer.layer: i for i, layer in enumerate(model.expert_layers)}
+        self.popularity = all_pop[[index_of[b] for b in self.moe_blocks]] if self.moe_blocks else all_pop[:0]
+        self.n_expert = hp.n_expert
+        self._graphs = {}
+
+    # --- graphs and their roofline -------------------------------------------------------------------
+    def graph(self, kind: str, tokens: int):
+        key = (kind, tokens)
+        if key not in self._graphs:
+            layers = representative_layers(self.model.hparams)
+            self._graphs[key] = build_pass(self.model, kind, tokens, self.kv, layers=layers,
+                                           with_drafter=self.mtp and self.share.last)
+        return self._graphs[key]
+
+    def cost(self, kind: str, tokens: int):
+        key = ("cost", kind, tokens)
+        if key not in self._graphs:
+            globals_ = (self.share.first, self.share.last)
+            if kind == "draft":
+                self._graphs[key] = pass_cost(self.graph(kind, tokens), self.gpu, self.model, (), (False, True))
+            else:
+                self._graphs[key] = pass_cost(self.graph(kind, tokens), self.gpu, self.model, self.share.blocks,
+                                              globals_)
+        return self._graphs[key]
+
+    # --- expert tables ---------------------------------------------------------------------------------
+    def _table(self, per_expert: np.ndarray) -> SlotTable:
+        """SlotTable of sum over uncached experts of per_expert[b, e] * blob[b] (bytes left to fetch)."""
+        suffix = np.cumsum(per_expert[:, ::-1], axis=1)[:, ::-1]                    # sum from e on
+        left = np.hstack([suffix, np.zeros((per_expert.shape[0], 1))]) * self.blobs[:, None]
+        return SlotTable(left)
+
+    @cached_property
+    def step_miss_bytes(self) -> SlotTable:
+        return self._table(self.popularity)
+
+    @cached_property
+    def step_expert_bytes(self) -> float:
+        return float((self.popularity.sum(axis=1) * self.blobs).sum())
+
+    def touched(self, tokens: int) -> np.ndarray:
+        """[block, expert]: the chance that a batch of `tokens` positions uses each expert."""
+        return 1.0 - (1.0 - np.minimum(self.popularity, 1.0)) ** tokens
+
+    def window_tables(self, tokens: int):
+        key = ("window", tokens)
+        if key not in self._graphs:
+            touched = self.touched(tokens)
+            count = np.hstack([np.cumsum(touched[:, ::-1], axis=1)[:, ::-1], np.zeros((touched.shape[0], 1))])
+            self._graphs[key] = (self._table(touched), SlotTable(count), float((touched.sum(axis=1) * self.blobs).sum()),
+                                 float(touched.sum()))
+        return self._graphs[key]
+
+    # --- decode ----------------------------------------------------------------------------------------
+    def window_s(self, tokens: int, depth, cache_slots, resident_tokens):
+        """One decode window (a step, or the verify of 1 + n) at `depth`: every block's dense weights once, the
+        resident K/V from VRAM, the rest over the link, cache hits from VRAM and misses zero-copy."""
+        g = self.gpu
+        cost = self.cost("decode", tokens)
+        resident = np.minimum(depth, resident_tokens)
+        if tokens == 1:
+            miss = self.step_miss_bytes.total(cache_slots)
+            total = self.step_expert_bytes
+        else:
+            miss_table, _, total, _ = self.window_tables(tokens)
+            miss = miss_table.total(cache_slots)
+        experts_s = (total - miss) / g.memory_bandwidth_bytes_per_s + miss / g.zero_copy_read_bytes_per_s
+        streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.host_to_device_bytes_per_s
+        return (cost.dense_s(depth, resident) + streamed_kv + experts_s + len(self.moe_blocks) * cost.expert_compute_s
+                + cost.n_nodes * g.graph_node_overhead_s)
+
+    def draft_s(self, depth, window_tokens: int):
+        """One MTP draft step: the NextN block (its experts live in VRAM) and the shared output head."""
+        if not (self.mtp and self.share.last):
+            return 0.0
+        cost = self.cost("draft", 1)
+        span = np.minimum(depth, window_tokens)
+        drafter = self.model.drafter_expert_layers[0]
+        experts_s = self.model.hparams.n_expert_used * drafter.blob_bytes / self.gpu.memory_bandwidth_bytes_per_s
+        return cost.dense_s(span, span) + experts_s + cost.expert_compute_s + cost.n_nodes * self.gpu.graph_node_overhead_s
+
+    # --- prefill ---------------------------------------------------------------------------------------
+    def chunk_s(self, tokens: int, context, cache_slots, ring_slots, resident_tokens):
+        """One prefill chunk of `tokens` positions ending at `context`. A short (last) chunk is priced from the
+        graph of the next power of two, scaled: its arithmetic is linear in its positions."""
+        g = self.gpu
+        graph_tokens = 1 << (tokens - 1).bit_length()
+        cost = self.cost("prefill", graph_tokens)
+        scale = tokens / graph_tokens
+        start = context - tokens
+        resident = np.minimum(start, resident_tokens) + tokens     # this chunk's own K/V is being written
+        streamed_kv_bytes = (start - np.minimum(start, resident_tokens)) * cost.kv_bytes_per_token
+        compute = scale * cost.dense_s(context, resident) + cost.n_nodes * g.graph_node_overhead_s
+        if not self.moe_blocks:
+            return np.maximum(compute, streamed_kv_bytes / g.host_to_device_bytes_per_s)
+        miss_table, count_table, touched_bytes, touched_count = self.window_tables(tokens)
+        streamed_bytes = miss_table.total(cache_slots)
+        streamed_count = count_table.total(cache_slots)
+        expert_compute = scale * len(self.moe_blocks) * cost.expert_compute_s
+        compute = compute + expert_compute + touched_bytes / g.memory_bandwidth_bytes_per_s
+        per_expert_compute = expert_compute / max(touched_count, 1e-9)
+        copy = self.mean_blob / g.host_to_device_bytes_per_s
+        slot_cycle = g.copy_latency_s + copy + per_expert_compute
+        ring_per_expert = np.maximum(copy, slot_cycle / ring_slots)
+        idle_per_block = np.maximum(0.0, scale * cost.block_s(context, resident) - (ring_slots - 1) * copy)
+        streaming_blocks = self._blocks_streaming(cache_slots)
+        stream = (streamed_count * ring_per_expert + streaming_blocks * idle_per_block
+                  + streamed_kv_bytes / g.host_to_device_bytes_per_s)
+        return np.maximum(compute, stream)
+
+    def _blocks_streaming(self, cache_slots):
+        """How many MoE blocks still stream at least one expert."""
+        n = len(self.moe_blocks)
+        base, extra = np.divmod(np.asarray(cache_slots), n)
+        return np.where(base >= self.n_expert, 0, np.where(base + 1 >= self.n_expert, n - extra, n))
+
+    def prefill_s(self, read_tokens: int, chunk_tokens: int, cache_slots, ring_slots, resident_tokens,
+                  start: int = 0):
+        """A prompt read of `read_tokens` positions after a reused prefix of `start`, in chunks."""
+        n_chunks = -(-read_tokens // chunk_tokens)
+        samples = range(n_chunks) if n_chunks <= CHUNK_SAMPLES else \
+            sorted(set(np.linspace(0, n_chunks - 1, CHUNK_SAMPLES).round().astype(int).tolist()))
+        total = 0.0
+        for i in samples:
+            tokens = min(chunk_tokens, read_tokens - i * chunk_tokens)
+            total = total + self.chunk_s(tokens, start + i * chunk_tokens + tokens, cache_slots, ring_slots,
+                                         resident_tokens)
+        return total * (n_chunks / len(samples))

@@ -1,0 +1,417 @@
+"""The search: the VRAM layout that minimises the workload's expected request time.
+
+Variables: prefill chunk (powers of two), K/V ring pages, prefill ring slots, expert cache slots per GPU,
+MTP draft depth, and the drafter room's threshold. For each chunk, every (K/V pages, ring slots) pair of a
+grid is priced at once with numpy; the expert cache takes what is left of each GPU, since more cache never
+costs time (it only removes streaming and zero-copy reads). The best point is then refined one page and one
+slot at a time. The drafter's window comes from the workload; the room's threshold is the shortest read
+whose prefill gain exceeds the cost of copying the drafter's experts back.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from codegen.graph import build_pass, representative_layers
+from codegen.memory import plan_arena
+from planner.errors import DoesNotFit, StratumError
+from planner.kv import KVType, parse_kv_type
+from planner.layout import (aligned, carve, dense_tensor_names, drafter_tensor_names, kv_ring_bytes,
+                            tensors_bytes)
+from planner.model import Model, load_model
+from planner.predict import MAX_DRAFT_DEPTH, DeviceCost, DeviceShare
+from planner.profile import Profile, load_profile
+from planner.units import format_bytes
+from planner.workload import Workload, load_workload
+
+PAGE_TOKENS = 256
+MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 64, 16384
+MIN_RING_SLOTS = 2          # one slot being computed on while the next is copied
+RING_SLOT_GRID = tuple(range(2, 33)) + (40, 48, 56, 64, 80, 96, 128, 160, 192, 256)
+DEFAULT_CONTEXT_TOKENS = 32768
+
+
+@dataclass
+class Problem:
+    """Everything a layout is priced from."""
+    model: Model
+    profile: Profile
+    kv: KVType
+    context_tokens: int
+    mtp: bool
+    workload: Workload
+    page_tokens: int
+    shares: list            # DeviceShare per GPU
+    costs: list             # DeviceCost per GPU
+    fixed_bytes: list       # per GPU: dense (+ drafter) regions
+
+    @property
+    def slot_bytes(self) -> int:
+        return aligned(self.model.largest_expert_blob_bytes)
+
+    @property
+    def full_pages(self) -> int:
+        return -(-self.context_tokens // self.page_tokens)
+
+    def min_pages(self, chunk_tokens: int) -> int:
+        """A chunk's positions never share a slot, and a chunk can straddle one extra page."""
+        return min(-(-chunk_tokens // self.page_tokens) + 1, self.full_pages)
+
+    def resident_tokens(self, pages):
+        """Positions whose K/V is in VRAM: all when the ring holds the context, else every full page."""
+        pages = np.asarray(pages)
+        return np.where(pages >= self.full_pages, self.context_tokens, (pages - 1) * self.page_tokens)
+
+    def drafter_pages(self, chunk_tokens: int) -> int:
+        if not self.mtp:
+            return 0
+        window_pages = -(-min(self.workload.drafter_window, self.context_tokens) // self.page_tokens)
+        return min(max(window_pages, -(-chunk_tokens // self.page_tokens)) + 1, self.full_pages)
+
+    @property
+    def room_slots(self) -> int:
+        if not self.mtp:
+            return 0
+        return aligned(self.model.drafter_expert_bytes) // self.slot_bytes
+
+    @property
+    def room_reclaim_s(self) -> float:
+        """Giving the room back: the drafter's experts copied in again before the first decode window."""
+        gpu = self.shares[-1].gpu
+        return gpu.copy_latency_s + self.model.drafter_expert_bytes / gpu.host_to_device_bytes_per_s
+
+    def kv_bytes(self, device: int, pages) -> int:
+        return kv_ring_bytes(pages, self.page_tokens, self.model.kv_bytes_per_token(self.kv),
+                             len(self.shares[device].blocks))
+
+    def drafter_kv_bytes(self, chunk_tokens: int) -> int:
+        return kv_ring_bytes(self.drafter_pages(chunk_tokens), self.page_tokens,
+                             self.model.kv_bytes_per_token(self.kv), self.model.hparams.n_nextn)
+
+    def arena_bytes(self, chunk_tokens: int) -> int:
+        """The largest pass: a prefill chunk, a verify window of 1 + MAX_DRAFT_DEPTH, a draft step."""
+        layers = representative_layers(self.model.hparams)
+        passes = [("prefill", chunk_tokens), ("decode", 1 + (MAX_DRAFT_DEPTH if self.mtp else 0))]
+        if self.mtp:
+            passes.append(("draft", 1))
+        return aligned(max(plan_arena(build_pass(self.model, kind, tokens, self.kv, layers=layers,
+                                                 with_drafter=self.mtp)).size_bytes for kind, tokens in passes))
+
+    def cache_slots_max(self, device: int) -> int:
+        return len(self.costs[device].moe_blocks) * self.model.hparams.n_expert
+
+
+@dataclass
+class Knobs:
+    chunk_tokens: int
+    kv_pages: int
+    ring_slots: int
+    cache_slots: tuple          # per GPU
+    draft_depth: int
+    room_min_read_tokens: int | None     # None: the room never opens
+    drafter_window_tokens: int
+
+
+def make_problem(hardware, model, context=None, kv="f16", mtp=None, workload=None,
+                 page_tokens: int = PAGE_TOKENS) -> Problem:
+    profile = hardware if isinstance(hardware, Profile) else load_profile(hardware)
+    model = model if isinstance(model, Model) else load_model(model)
+    kv_type = kv if isinstance(kv, KVType) else parse_kv_type(kv)
+    if workload is None:
+        workload = Workload()
+    elif not isinstance(workload, Workload):
+        workload = load_workload(workload)
+    if mtp is None:
+        mtp = model.has_drafter
+    if mtp and not model.has_drafter:
+        raise StratumError(f"{model.name} has no NextN (MTP) block to draft with; plan without --mtp",
+                           field="mtp")
+    context = context or min(model.hparams.n_ctx_train, DEFAULT_CONTEXT_TOKENS)
+    if context < 2 * MIN_CHUNK_TOKENS:
+        raise StratumError(f"context {context} is too short; at least {2 * MIN_CHUNK_TOKENS} tokens",
+                           field="context")
+    if context > model.hparams.n_ctx_train:
+        raise StratumError(f"context {context} exceeds the model's trained context of "
+                           f"{model.hparams.n_ctx_train} tokens", field="context")
+    workload = workload.for_context(context)
+    shares = split_blocks(model, profile)
+    costs = [DeviceCost(model, share, kv_type, workload, mtp, page_tokens) for share in shares]
+    fixed = []
+    for share in shares:
+        dense = tensors_bytes(model, dense_tensor_names(model, share.blocks, share.first, share.last))
+        drafter = 0
+        if mtp and share.last:
+            drafter = aligned(tensors_bytes(model, drafter_tensor_names(model, "drafter_dense"))) + \
+                aligned(tensors_bytes(model, drafter_tensor_names(model, "drafter_expert")))
+        fixed.append(aligned(dense) + drafter)
+    return Problem(model, profile, kv_type, context, mtp, workload, page_tokens, shares, costs, fixed)
+
+
+def split_blocks(model: Model, profile: Profile) -> list[DeviceShare]:
+    """Contiguous trunk blocks per GPU, in proportion to each GPU's usable VRAM (the drafter goes last)."""
+    gpus = profile.gpus
+    n_blocks = model.hparams.n_trunk
+    if len(gpus) > n_blocks:
+        raise StratumError(f"{len(gpus)} GPUs for {n_blocks} blocks: at least one block per GPU", field="gpus")
+    usable = np.array([g.usable_bytes for g in gpus], dtype=np.float64)
+    bounds = np.round(np.cumsum(usable) / usable.sum() * n_blocks).astype(int)
+    bounds = np.maximum(bounds, np.arange(1, len(gpus) + 1))    # every GPU gets a block
+    shares, start = [], 0
+    for i, gpu in enumerate(gpus):
+        end = n_blocks if i == len(gpus) - 1 else min(int(bounds[i]), n_blocks - (len(gpus) - 1 - i))
+        shares.append(DeviceShare(i, gpu, tuple(range(start, end)), first=i == 0, last=i == len(gpus) - 1))
+        start = end
+    return shares
+
+
+# --- pricing ---------------------------------------------------------------------------------------------
+
+def request_s(problem: Problem, chunk: int, pages, ring_slots, cache_slots: list, detail: bool = False):
+    """Expected seconds of one request of the workload, for arrays of layouts (broadcast together).
+
+    Returns (objective, best draft depth); with detail, also per-prompt prefill/decode figures."""
+    wl = problem.workload
+    weights = np.array([w for _, w in wl.prompts], dtype=np.float64)
+    total = 0.0
+    rows = []
+    for (prompt_tokens, weight) in wl.prompts:
+        read = wl.read_tokens(prompt_tokens)
+        start = prompt_tokens - read
+        shut = prefill_s(problem, read, start, chunk, pages, ring_slots, cache_slots, room=False)
+        opened = prefill_s(problem, read, start, chunk, pages, ring_slots, cache_slots, room=True) \
+            + problem.room_reclaim_s if problem.room_slots else shut
+        prefill = np.minimum(shut, opened)
+        depth = prompt_tokens + wl.decode_tokens // 2
+        per_token, _ = decode_token_s(problem, depth, pages, cache_slots)
+        total = total + weight * (prefill + wl.decode_tokens * per_token)
+        if detail:
+            rows.append(dict(prompt_tokens=prompt_tokens, read_tokens=read, prefill_s=prefill,
+                             room_open=bool(np.all(opened < shut)), decode_depth=depth, decode_token_s=per_token))
+    objective = total / weights.sum()
+    return (objective, rows) if detail else objective
+
+
+def prefill_s(problem: Problem, read: int, start: int, chunk: int, pages, ring_slots, cache_slots, room: bool):
+    """Chunks pass every GPU in turn: the times add up."""
+    resident = problem.resident_tokens(pages)
+    total = 0.0
+    for cost, slots in zip(problem.costs, cache_slots):
+        ring = ring_slots + (problem.room_slots if room and cost.share.last else 0)
+        total = total + cost.prefill_s(read, chunk, slots, ring, resident, start)
+    return total
+
+
+def decode_token_s(problem: Problem, depth: int, pages, cache_slots):
+    """Seconds per generated token at `depth`, with the best draft depth (0 without MTP)."""
+    resident = problem.resident_tokens(pages)
+    step = sum(c.window_s(1, depth, s, resident) for c, s in zip(problem.costs, cache_slots))
+    best, best_depth = step, np.zeros_like(np.asarray(step, dtype=float), dtype=int)
+    if problem.mtp:
+        draft = sum(c.draft_s(depth, problem.workload.drafter_window) for c in problem.costs)
+        a = problem.workload.draft_acceptance
+        for n in range(1, MAX_DRAFT_DEPTH + 1):
+            verify = sum(c.window_s(1 + n, depth, s, resident) for c, s in zip(problem.costs, cache_slots))
+            tokens = sum(a ** i for i in range(n + 1))
+            per_token = (n * draft + verify) / tokens
+            better = per_token < best
+            best_depth = np.where(better, n, best_depth)
+            best = np.minimum(best, per_token)
+    return best, best_depth
+
+
+# --- search ----------------------------------------------------------------------------------------------
+
+def chunk_candidates(problem: Problem) -> list[int]:
+    longest = max(problem.workload.read_tokens(t) for t, _ in problem.workload.prompts)
+    top = min(MAX_CHUNK_TOKENS, 1 << max(0, (longest - 1).bit_length()))
+    chunks, chunk = [], MIN_CHUNK_TOKENS
+    while chunk <= max(top, MIN_CHUNK_TOKENS):
+        chunks.append(chunk)
+        chunk *= 2
+    return chunks
+
+
+def page_candidates(problem: Problem, chunk: int) -> np.ndarray:
+    """Every page count when there are few; else a geometric grid plus the workload's depths."""
+    low, high = problem.min_pages(chunk), problem.full_pages
+    if high - low <= 64:
+        return np.arange(low, high + 1)
+    grid = set(np.unique(np.geomspace(low, high, 48).round().astype(int)).tolist()) | {low, high}
+    for prompt_tokens, _ in problem.workload.prompts:
+        for depth in (prompt_tokens, prompt_tokens + problem.workload.decode_tokens):
+            pages = -(-depth // problem.page_tokens) + 1
+            grid |= {p for p in (pages - 1, pages, pages + 1) if low <= p <= high}
+    return np.array(sorted(grid))
+
+
+def feasible_cache(problem: Problem, chunk: int, pages, ring_slots, arena: int):
+    """Cache slots each GPU gets from what is left (negative: the layout does not fit)."""
+    slots = []
+    for i, share in enumerate(problem.shares):
+        used = problem.fixed_bytes[i] + aligned_array(problem.kv_bytes(i, pages)) + \
+            aligned_array(ring_slots * problem.slot_bytes) + arena
+        if share.last and problem.mtp:
+            used = used + aligned(problem.drafter_kv_bytes(chunk))
+        left = share.gpu.usable_bytes - used - 8 * 256      # region padding: at most 256 bytes per region
+        slots.append(np.where(left >= 0, np.minimum(left // problem.slot_bytes, problem.cache_slots_max(i)), -1))
+    return slots
+
+
+def aligned_array(n_bytes):
+    return -(-np.asarray(n_bytes) // 256) * 256
+
+
+def search(problem: Problem) -> Knobs:
+    best = None      # (objective, chunk, pages, ring)
+    for chunk in chunk_candidates(problem):
+        arena = problem.arena_bytes(chunk)
+        pages = page_candidates(problem, chunk)[:, None]
+        rings = np.array(RING_SLOT_GRID)[None, :]
+        point = _best_on_grid(problem, chunk, arena, pages, rings)
+        if point is not None and (best is None or point[0] < best[0]):
+            best = point + (arena,)
+    if best is None:
+        raise refusal(problem)
+    _, chunk, pages, ring, arena = best
+    pages, ring = _refine(problem, chunk, arena, pages, ring)
+    cache = [int(s) for s in feasible_cache(problem, chunk, pages, ring, arena)]
+    _, depth = decode_token_s(problem, max(t for t, _ in problem.workload.prompts), pages, cache)
+    return Knobs(chunk_tokens=chunk, kv_pages=int(pages), ring_slots=int(ring), cache_slots=tuple(cache),
+                 draft_depth=int(depth) if problem.mtp else 0,
+                 room_min_read_tokens=room_threshold(problem, chunk, pages, ring, cache),
+                 drafter_window_tokens=min(problem.workload.drafter_window, problem.context_tokens)
+                 if problem.mtp else 0)
+
+
+def _best_on_grid(problem, chunk, arena, pages, rings):
+    pages, rings = np.broadcast_arrays(pages, rings)
+    cache = feasible_cache(problem, chunk, pages, rings, arena)
+    ok = np.all([c >= 0 for c in cache], axis=0)
+    if not ok.any():
+        return None
+    pages, rings = pages[ok], rings[ok]
+    cache = [c[ok] for c in cache]
+    objective = request_s(problem, chunk, pages, rings, cache)
+    i = int(np.argmin(objective))
+    return float(objective[i]), chunk, int(pages[i]), int(rings[i])
+
+
+def _refine(problem, chunk, arena, pages, ring):
+    """Hill-climb on the integer neighbours of the grid's best point until none is better."""
+    low, high = problem.min_pages(chunk), problem.full_pages
+    current = request_s(problem, chunk, np.array([pages]), np.array([ring]),
+                        [c for c in feasible_cache(problem, chunk, np.array([pages]), np.array([ring]), arena)])[0]
+    for _ in range(256):
+        steps = np.array([-8, -2, -1, 0, 1, 2, 8])
+        page_options = np.clip(pages + steps, low, high)[:, None]
+        ring_options = np.clip(ring + steps, MIN_RING_SLOTS, None)[None, :]
+        point = _best_on_grid(problem, chunk, arena, page_options, ring_options)
+        if point is None or point[0] >= current - 1e-12:
+            break
+        current, _, pages, ring = point
+    return pages, ring
+
+
+def room_threshold(problem: Problem, chunk: int, pages: int, ring: int, cache: list) -> int | None:
+    """The shortest read (tokens) for which opening the room saves more than giving it back costs."""
+    if not problem.room_slots:
+        return None
+
+    def gain(read: int) -> float:
+        shut = prefill_s(problem, read, 0, chunk, pages, ring, cache, room=False)
+        opened = prefill_s(problem, read, 0, chunk, pages, ring, cache, room=True)
+        return float(shut - opened) - problem.room_reclaim_s
+
+    high = problem.context_tokens
+    if gain(high) <= 0:
+        return None
+    low = 1
+    while low < high:           # the gain grows with the read: bisect for its first positive point
+        mid = (low + high) // 2
+        if gain(mid) > 0:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def refusal(problem: Problem) -> DoesNotFit:
+    """The smallest layout and what it lacks: say by how much, and which region is the floor."""
+    chunk = MIN_CHUNK_TOKENS
+    messages = []
+    for i, share in enumerate(problem.shares):
+        need = {"dense weights": problem.fixed_bytes[i] if not (share.last and problem.mtp) else
+                problem.fixed_bytes[i] - _drafter_region_bytes(problem),
+                "K/V ring (minimum)": problem.kv_bytes(i, problem.min_pages(chunk)),
+                "prefill ring (2 slots)": MIN_RING_SLOTS * problem.slot_bytes,
+                "activation arena": problem.arena_bytes(chunk)}
+        if share.last and problem.mtp:
+            need["drafter (MTP)"] = _drafter_region_bytes(problem) + problem.drafter_kv_bytes(chunk)
+        total = sum(need.values()) + 8 * 256
+        if total > share.gpu.usable_bytes:
+            floor = max(need, key=need.get)
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in need.items())
+            hint = " (plan without --mtp to drop it)" if floor.startswith("drafter") else \
+                " (a smaller quantization, or more GPUs)" if floor == "dense weights" else ""
+            messages.append(f"GPU {i} ({share.gpu.name}) needs at least {format_bytes(total)} ({parts}) but has "
+                            f"{format_bytes(share.gpu.usable_bytes)} usable: {format_bytes(total - share.gpu.usable_bytes)} "
+                            f"short; the floor is the {floor}{hint}")
+    if not messages:
+        messages.append("no layout fits")
+    return DoesNotFit(f"{problem.model.name} does not fit {problem.profile.name}: " + "; ".join(messages))
+
+
+def _drafter_region_bytes(problem: Problem) -> int:
+    model = problem.model
+    return aligned(tensors_bytes(model, drafter_tensor_names(model, "drafter_dense"))) + \
+        aligned(tensors_bytes(model, drafter_tensor_names(model, "drafter_expert")))
+
+
+def regions(problem: Problem, knobs: Knobs) -> list:
+    """Every GPU's regions, byte-exact, in carve order."""
+    model, result = problem.model, []
+    for i, share in enumerate(problem.shares):
+        sizes = {"dense": tensors_bytes(model, dense_tensor_names(model, share.blocks, share.first, share.last)),
+                 "kv_ring": problem.kv_bytes(i, knobs.kv_pages),
+                 "expert_cache": knobs.cache_slots[i] * problem.slot_bytes,
+                 "prefill_ring": knobs.ring_slots * problem.slot_bytes,
+                 "arena": problem.arena_bytes(knobs.chunk_tokens)}
+        if share.last and problem.mtp:
+            sizes["drafter_dense"] = tensors_bytes(model, drafter_tensor_names(model, "drafter_dense"))
+            sizes["drafter_experts"] = tensors_bytes(model, drafter_tensor_names(model, "drafter_expert"))
+            sizes["drafter_kv"] = problem.drafter_kv_bytes(knobs.chunk_tokens)
+        result.extend(carve(i, sizes))
+    return result
+
+
+def host_bytes(problem: Problem) -> dict:
+    """Pinned host memory the runtime takes at start: every routed expert and the whole context's K/V."""
+    model = problem.model
+    experts = model.bytes_of("expert") + (model.drafter_expert_bytes if problem.mtp else 0)
+    kv = problem.context_tokens * model.kv_bytes_per_token(problem.kv) * \
+        (model.hparams.n_trunk + (model.hparams.n_nextn if problem.mtp else 0))
+    return {"experts": experts, "kv": kv}
+
+
+def check_host(problem: Problem, knobs: Knobs):
+    need = host_bytes(problem)
+    if all(s >= problem.cache_slots_max(i) for i, s in enumerate(knobs.cache_slots)):
+        need["experts"] = 0     # every routed expert is cached: no host copy is read
+    budget = problem.profile.host.pinned_budget_bytes
+    if sum(need.values()) > budget:
+        raise DoesNotFit(f"{problem.model.name} does not fit {problem.profile.name}'s host: the pinned copies need "
+                         f"{format_bytes(sum(need.values()))} (routed experts {format_bytes(need['experts'])}, "
+                         f"K/V for {problem.context_tokens} positions {format_bytes(need['kv'])}) but "
+                         f"host.pinned_budget is {format_bytes(budget)}: "
+                         f"{format_bytes(sum(need.values()) - budget)} short")
+
+
+def solve(hardware, model, context=None, kv="f16", mtp=None, workload=None,
+          page_tokens: int = PAGE_TOKENS) -> "Plan":
+    """Plan a model (GGUF path, card path or bundled card name) on hardware (profile name or path)."""
+    from planner.assemble import assemble     # the plan's words and predictions, apart from the search
+
+    problem = make_problem(hardware, model, context, kv, mtp, workload, page_tokens)
+    knobs = search(problem)
+    check_host(problem, knobs)
+    return assemble(problem, knobs)
