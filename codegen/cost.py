@@ -56,7 +56,7 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
     with_globals: (runs the embedding, runs the output head), for a device holding part of the blocks.
     """
     hp = model.hparams
-    weight_bytes = {t.name: t.n_bytes for t in model.tensors}
+    weight_bytes = model.tensor_bytes
     represented = {}            # representative block -> the blocks it stands for
     for block in blocks:
         kind_rep = 0 if not hp.is_moe_layer(block) else hp.n_leading_dense

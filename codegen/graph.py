@@ -31,7 +31,7 @@ class _Builder:
     def __init__(self, model, kind: str, tokens: int, kv: KVType):
         self.model, self.kind, self.tokens, self.kv = model, kind, tokens, kv
         self.hp: HParams = model.hparams
-        self.bytes = {t.name: t.n_bytes for t in model.tensors}
+        self.bytes = model.tensor_bytes
         self.graph = nx.DiGraph(kind=kind, tokens=tokens, kv=kv.name, model=model.name)
 
     def op(self, name: str, op: str, inputs: list[str], shape: tuple, *, dtype: str = "f32", flops: float = 0,

@@ -41,8 +41,7 @@ class Region:
 
 def tensors_bytes(model, names) -> int:
     """Bytes of a set of tensors placed one after another, each on an aligned offset."""
-    sizes = {t.name: t.n_bytes for t in model.tensors}
-    return sum(aligned(sizes[name]) for name in names)
+    return sum(aligned(model.tensor_bytes[name]) for name in names)
 
 
 def dense_tensor_names(model, blocks, first: bool, last: bool) -> list[str]:

@@ -47,6 +47,11 @@ class Model:
     tensors: tuple[TensorInfo, ...]
     tensor_class: dict          # tensor name -> 'dense' | 'expert' | 'drafter_dense' | 'drafter_expert'
 
+    @cached_property
+    def tensor_bytes(self) -> dict:
+        """Tensor name -> bytes as stored."""
+        return {t.name: t.n_bytes for t in self.tensors}
+
     def bytes_of(self, cls: str) -> int:
         return sum(t.n_bytes for t in self.tensors if self.tensor_class[t.name] == cls)
 

@@ -8,7 +8,7 @@ slot at a time. The drafter's window comes from the workload; the room's thresho
 whose prefill gain exceeds the cost of copying the drafter's experts back.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +29,7 @@ MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 64, 16384
 MIN_RING_SLOTS = 2          # one slot being computed on while the next is copied
 RING_SLOT_GRID = tuple(range(2, 33)) + (40, 48, 56, 64, 80, 96, 128, 160, 192, 256)
 DEFAULT_CONTEXT_TOKENS = 32768
+TIE_TOLERANCE = 1e-6     # relative: objectives closer than this are equal
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Problem:
     shares: list            # DeviceShare per GPU
     costs: list             # DeviceCost per GPU
     fixed_bytes: list       # per GPU: dense (+ drafter) regions
+    arenas: dict = field(default_factory=dict)     # chunk tokens -> arena bytes, memoised
 
     @property
     def slot_bytes(self) -> int:
@@ -90,6 +92,11 @@ class Problem:
 
     def arena_bytes(self, chunk_tokens: int) -> int:
         """The largest pass: a prefill chunk, a verify window of 1 + MAX_DRAFT_DEPTH, a draft step."""
+        if chunk_tokens not in self.arenas:
+            self.arenas[chunk_tokens] = self._arena_bytes(chunk_tokens)
+        return self.arenas[chunk_tokens]
+
+    def _arena_bytes(self, chunk_tokens: int) -> int:
         layers = representative_layers(self.model.hparams)
         passes = [("prefill", chunk_tokens), ("decode", 1 + (MAX_DRAFT_DEPTH if self.mtp else 0))]
         if self.mtp:
@@ -261,19 +268,36 @@ def aligned_array(n_bytes):
     return -(-np.asarray(n_bytes) // 256) * 256
 
 
-def search(problem: Problem) -> Knobs:
-    best = None      # (objective, chunk, pages, ring)
-    for chunk in chunk_candidates(problem):
+def search(problem: Problem, pins: dict | None = None) -> Knobs:
+    """The best layout; `pins` fixes any of chunk_tokens, kv_pages, ring_slots to a given value."""
+    pins = dict(pins or {})
+    unknown = set(pins) - {"chunk_tokens", "kv_pages", "ring_slots"}
+    if unknown:
+        raise StratumError(f"cannot pin {sorted(unknown)}; pin chunk_tokens, kv_pages or ring_slots")
+    chunks = [pins["chunk_tokens"]] if "chunk_tokens" in pins else chunk_candidates(problem)
+    if chunks[0] < 1:
+        raise StratumError("must be at least 1", field="chunk_tokens")
+    if pins.get("ring_slots", MIN_RING_SLOTS) < MIN_RING_SLOTS:
+        raise StratumError(f"must be at least {MIN_RING_SLOTS}", field="ring_slots")
+    best = None      # (objective, chunk, pages, ring, arena)
+    for chunk in chunks:
         arena = problem.arena_bytes(chunk)
-        pages = page_candidates(problem, chunk)[:, None]
-        rings = np.array(RING_SLOT_GRID)[None, :]
+        if "kv_pages" in pins:
+            if not problem.min_pages(chunk) <= pins["kv_pages"] <= problem.full_pages:
+                raise StratumError(f"must be between {problem.min_pages(chunk)} (a {chunk}-token chunk and one page) "
+                                   f"and {problem.full_pages} (the whole context)", field="kv_pages")
+            pages = np.array([[pins["kv_pages"]]])
+        else:
+            pages = page_candidates(problem, chunk)[:, None]
+        rings = np.array([[pins["ring_slots"]]]) if "ring_slots" in pins else np.array(RING_SLOT_GRID)[None, :]
         point = _best_on_grid(problem, chunk, arena, pages, rings)
-        if point is not None and (best is None or point[0] < best[0]):
+        if point is not None and (best is None or point[0] < best[0] * (1 - TIE_TOLERANCE)):
             best = point + (arena,)
     if best is None:
         raise refusal(problem)
     _, chunk, pages, ring, arena = best
-    pages, ring = _refine(problem, chunk, arena, pages, ring)
+    if not {"kv_pages", "ring_slots"} <= set(pins):
+        pages, ring = _refine(problem, chunk, arena, pages, ring, pins)
     cache = [int(s) for s in feasible_cache(problem, chunk, pages, ring, arena)]
     _, depth = decode_token_s(problem, max(t for t, _ in problem.workload.prompts), pages, cache)
     return Knobs(chunk_tokens=chunk, kv_pages=int(pages), ring_slots=int(ring), cache_slots=tuple(cache),
@@ -284,6 +308,8 @@ def search(problem: Problem) -> Knobs:
 
 
 def _best_on_grid(problem, chunk, arena, pages, rings):
+    """The grid's best point; among points within TIE_TOLERANCE of it, the most K/V pages (longer requests
+    keep their speed), then the fewest ring slots (VRAM left free)."""
     pages, rings = np.broadcast_arrays(pages, rings)
     cache = feasible_cache(problem, chunk, pages, rings, arena)
     ok = np.all([c >= 0 for c in cache], axis=0)
@@ -292,21 +318,24 @@ def _best_on_grid(problem, chunk, arena, pages, rings):
     pages, rings = pages[ok], rings[ok]
     cache = [c[ok] for c in cache]
     objective = request_s(problem, chunk, pages, rings, cache)
-    i = int(np.argmin(objective))
+    near = objective <= objective.min() * (1 + TIE_TOLERANCE)
+    i = int(np.lexsort((rings, -pages, ~near))[0])
     return float(objective[i]), chunk, int(pages[i]), int(rings[i])
 
 
-def _refine(problem, chunk, arena, pages, ring):
+def _refine(problem, chunk, arena, pages, ring, pins):
     """Hill-climb on the integer neighbours of the grid's best point until none is better."""
     low, high = problem.min_pages(chunk), problem.full_pages
-    current = request_s(problem, chunk, np.array([pages]), np.array([ring]),
-                        [c for c in feasible_cache(problem, chunk, np.array([pages]), np.array([ring]), arena)])[0]
+    current = _best_on_grid(problem, chunk, arena, np.array([pages]), np.array([ring]))[0]
+    steps = np.array([-8, -2, -1, 0, 1, 2, 8])
     for _ in range(256):
-        steps = np.array([-8, -2, -1, 0, 1, 2, 8])
-        page_options = np.clip(pages + steps, low, high)[:, None]
-        ring_options = np.clip(ring + steps, MIN_RING_SLOTS, None)[None, :]
-        point = _best_on_grid(problem, chunk, arena, page_options, ring_options)
-        if point is None or point[0] >= current - 1e-12:
+        page_options = np.array([pins["kv_pages"]]) if "kv_pages" in pins else np.unique(np.clip(pages + steps, low, high))
+        ring_options = np.array([pins["ring_slots"]]) if "ring_slots" in pins else \
+            np.unique(np.clip(ring + steps, MIN_RING_SLOTS, None))
+        point = _best_on_grid(problem, chunk, arena, page_options[:, None], ring_options[None, :])
+        if point[0] >= current * (1 - TIE_TOLERANCE) and (point[2], point[3]) == (pages, ring):
+            break
+        if point[0] > current * (1 + TIE_TOLERANCE):
             break
         current, _, pages, ring = point
     return pages, ring
@@ -407,11 +436,15 @@ def check_host(problem: Problem, knobs: Knobs):
 
 
 def solve(hardware, model, context=None, kv="f16", mtp=None, workload=None,
-          page_tokens: int = PAGE_TOKENS) -> "Plan":
-    """Plan a model (GGUF path, card path or bundled card name) on hardware (profile name or path)."""
+          page_tokens: int = PAGE_TOKENS, pins: dict | None = None) -> "Plan":
+    """Plan a model (GGUF path, card path or bundled card name) on hardware (profile name or path).
+
+    context: positions per conversation (default: the model's, at most 32768); kv: K/V type (f16, q8_0, k8v4,
+    ...); mtp: draft with the NextN block (default: when the model has one); workload: a Workload or a YAML
+    path; pins: knobs to hold fixed (chunk_tokens, kv_pages, ring_slots)."""
     from planner.assemble import assemble     # the plan's words and predictions, apart from the search
 
     problem = make_problem(hardware, model, context, kv, mtp, workload, page_tokens)
-    knobs = search(problem)
+    knobs = search(problem, pins)
     check_host(problem, knobs)
     return assemble(problem, knobs)
