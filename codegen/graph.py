@@ -8,6 +8,8 @@ nodes; the runtime replays them in `order`.
 Every node is one op producing one tensor (the node's name is the tensor's name), with:
   op, order (a topological position: the build order), shape, dtype, out_bytes,
   flops, weights (names of the weight tensors it reads), weight_bytes (dense weights it reads),
+  inplace (the input whose buffer the op overwrites: the residual stream is one buffer for the whole
+  pass, so every block of a kind sees the same surroundings and gets the same arena offsets),
   expert_layer (for routed-expert ops: the layer whose experts it reads; their bytes are the planner's,
   who knows which are cached and which stream), kv_layer / kv_read (for attention: K/V bytes read per
   context token), output (True for tensors that leave the pass).
@@ -35,7 +37,7 @@ class _Builder:
         self.graph = nx.DiGraph(kind=kind, tokens=tokens, kv=kv.name, model=model.name)
 
     def op(self, name: str, op: str, inputs: list[str], shape: tuple, *, dtype: str = "f32", flops: float = 0,
-           weights: tuple = (), weight_bytes: int | None = None, **attrs) -> str:
+           weights: tuple = (), weight_bytes: int | None = None, inplace: str | None = None, **attrs) -> str:
         present = tuple(w for w in weights if w in self.bytes)
         if weight_bytes is None:
             weight_bytes = 0 if "expert_layer" in attrs else sum(self.bytes[w] for w in present)
@@ -45,8 +47,7 @@ class _Builder:
             n_elements *= dim
         self.graph.add_node(name, op=op, order=self.graph.number_of_nodes(), shape=shape, dtype=dtype,
                             out_bytes=n_elements * element_bytes, flops=flops, weights=present,
-                            weight_bytes=weight_bytes,
-                            output=False, **attrs)
+                            weight_bytes=weight_bytes, inplace=inplace, output=False, **attrs)
         for source in inputs:
             self.graph.add_edge(source, name)
         return name
@@ -85,11 +86,11 @@ class _Builder:
                        flops_per_context_token=4.0 * rows * hp.n_head * hp.head_dim_k, kv_layer=layer,
                        kv_read=kv_row_bytes)
         out = self.matmul(p + "attn_out", attn, p + "attn_output", rows, hp.n_head * hp.head_dim_v, e)
-        x = self.op(p + "attn_residual", "add", [x, out], (rows, e), flops=rows * e)
+        x = self.op(p + "attn_residual", "add", [x, out], (rows, e), flops=rows * e, inplace=x)
         ffn_norm = "ffn_norm" if hp.architecture == "qwen3moe" else "post_attention_norm"
         h = self.norm(p + "ffn_norm", x, p + ffn_norm, rows)
         ffn = self.moe(layer, h, rows) if hp.is_moe_layer(layer) else self.dense_ffn(p, h, rows, hp.n_ff, "")
-        return self.op(p + "ffn_residual", "add", [x] + ffn, (rows, e), flops=rows * e * len(ffn))
+        return self.op(p + "ffn_residual", "add", [x] + ffn, (rows, e), flops=rows * e * len(ffn), inplace=x)
 
     def dense_ffn(self, p: str, h: str, rows: int, width: int, suffix: str) -> list[str]:
         """SwiGLU FFN; the activation is fused into the gate/up op, so only silu(gate) * up is stored."""

@@ -19,16 +19,23 @@ ARENA_ALIGNMENT_BYTES = 256     # cudaMalloc's alignment: every tensor starts wh
 class Arena:
     size_bytes: int
     offsets: dict          # tensor name -> byte offset in the arena
-    lifetimes: dict        # tensor name -> (first, last) position in the pass order
-    sizes: dict            # tensor name -> aligned bytes
+    lifetimes: dict        # buffer (a tensor not written in place) -> (first, last) position in the pass order
+    sizes: dict            # buffer -> aligned bytes
 
 
 def _aligned(n_bytes: int) -> int:
     return -(-n_bytes // ARENA_ALIGNMENT_BYTES) * ARENA_ALIGNMENT_BYTES
 
 
+def buffer_of(graph: nx.DiGraph, name: str) -> str:
+    """The tensor whose buffer `name` lives in: itself, or what an in-place op overwrote."""
+    while graph.nodes[name].get("inplace"):
+        name = graph.nodes[name]["inplace"]
+    return name
+
+
 def lifetimes(graph: nx.DiGraph) -> dict:
-    """Tensor -> (position where it is written, last position where it is read); outputs live to the end."""
+    """Buffer -> (position where it is first written, last position where it is read); outputs live to the end."""
     order = nodes_in_order(graph)
     position = {name: i for i, name in enumerate(order)}
     end = len(order)
@@ -39,11 +46,14 @@ def lifetimes(graph: nx.DiGraph) -> dict:
             continue
         readers = [position[s] for s in graph.successors(name)]
         last = end if node["output"] else max(readers, default=position[name])
-        spans[name] = (position[name], last)
+        buffer = buffer_of(graph, name)
+        first, previous_last = spans.get(buffer, (position[name], last))
+        spans[buffer] = (first, max(last, previous_last))
     return spans
 
 
 def plan_arena(graph: nx.DiGraph) -> Arena:
+    """Offsets for every tensor (an in-place op's output shares its input's offset)."""
     spans = lifetimes(graph)
     sizes = {name: _aligned(graph.nodes[name]["out_bytes"]) for name in spans}
     placed: list[tuple[int, int, int, int]] = []     # (offset, size, first, last)
@@ -56,6 +66,9 @@ def plan_arena(graph: nx.DiGraph) -> Arena:
         offsets[name] = offset
         placed.append((offset, size, first, last))
     size_bytes = max((o + s for o, s, _, _ in placed), default=0)
+    for name, node in graph.nodes(data=True):
+        if node["out_bytes"] and name not in offsets:
+            offsets[name] = offsets[buffer_of(graph, name)]
     return Arena(size_bytes=size_bytes, offsets=offsets, lifetimes=spans, sizes=sizes)
 
 

@@ -6,9 +6,16 @@
 """
 
 __version__ = "0.1.0"
-
-from planner.errors import DoesNotFit, StratumError  # noqa: E402
-from planner.plan import Plan, load_plan  # noqa: E402
-from planner.solve import solve  # noqa: E402
-
 __all__ = ["solve", "load_plan", "Plan", "StratumError", "DoesNotFit", "__version__"]
+
+_EXPORTS = {"solve": "planner.solve", "load_plan": "planner.plan", "Plan": "planner.plan",
+            "StratumError": "planner.errors", "DoesNotFit": "planner.errors"}
+
+
+def __getattr__(name):
+    # resolved on first use: codegen imports planner's submodules, and the planner imports codegen
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'planner' has no attribute {name!r}")

@@ -1,0 +1,104 @@
+"""Pass graphs, their static arena, and the representative-block shortcut the planner takes."""
+
+import networkx as nx
+import pytest
+
+from codegen.cost import pass_cost
+from codegen.graph import build_pass, nodes_in_order, representative_layers
+from codegen.memory import ARENA_ALIGNMENT_BYTES, plan_arena
+from planner.kv import parse_kv_type
+from planner.model import load_model
+from planner.profile import load_profile
+
+KV = parse_kv_type("q8_0")
+
+
+@pytest.fixture(scope="module")
+def air():
+    return load_model("glm-4.5-air-q4_k_m")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load_model("qwen3-30b-a3b-q4_k_m")
+
+
+@pytest.mark.parametrize("kind, tokens", [("prefill", 96), ("decode", 1), ("decode", 5), ("draft", 1)])
+def test_graphs_are_dags_built_in_topological_order(air, kind, tokens):
+    graph = build_pass(air, kind, tokens, KV, with_drafter=True)
+    assert nx.is_directed_acyclic_graph(graph)
+    order = {name: i for i, name in enumerate(nodes_in_order(graph))}
+    assert all(order[a] < order[b] for a, b in graph.edges)
+
+
+def test_prefill_computes_logits_for_the_last_position_only(air):
+    graph = build_pass(air, "prefill", 4096, KV)
+    assert graph.nodes["logits"]["shape"] == (1, air.hparams.n_vocab)
+    window = build_pass(air, "decode", 5, KV)
+    assert window.nodes["logits"]["shape"] == (5, air.hparams.n_vocab)
+
+
+def test_every_dense_and_expert_weight_is_read_by_the_full_graph(air):
+    graph = build_pass(air, "decode", 1, KV)
+    read = {w for _, node in graph.nodes(data=True) for w in node["weights"]}
+    trunk = {t.name for t in air.tensors if air.tensor_class[t.name] in ("dense", "expert")}
+    assert trunk - read == set()
+
+
+@pytest.mark.parametrize("kind, tokens", [("prefill", 128), ("decode", 3)])
+def test_live_tensors_never_share_bytes(qwen, kind, tokens):
+    graph = build_pass(qwen, kind, tokens, KV, layers=range(4))
+    arena = plan_arena(graph)
+    names = list(arena.lifetimes)
+    assert set(arena.offsets) == {n for n, node in graph.nodes(data=True) if node["out_bytes"]}
+    for i, a in enumerate(names):
+        assert arena.offsets[a] % ARENA_ALIGNMENT_BYTES == 0
+        assert arena.offsets[a] + arena.sizes[a] <= arena.size_bytes
+        for b in names[i + 1:]:
+            (fa, la), (fb, lb) = arena.lifetimes[a], arena.lifetimes[b]
+            if fa <= lb and fb <= la:
+                assert arena.offsets[a] + arena.sizes[a] <= arena.offsets[b] or \
+                    arena.offsets[b] + arena.sizes[b] <= arena.offsets[a], (a, b)
+
+
+def test_the_residual_stream_is_one_buffer(qwen):
+    graph = build_pass(qwen, "prefill", 64, KV, layers=range(3))
+    arena = plan_arena(graph)
+    assert {arena.offsets[f"blk.{b}.{op}"] for b in range(3) for op in ("attn_residual", "ffn_residual")} == \
+        {arena.offsets["embed"]}
+
+
+@pytest.mark.parametrize("card, tokens", [("glm-4.5-air-q4_k_m", 256), ("qwen3-30b-a3b-q4_k_m", 512)])
+def test_representative_blocks_give_the_full_graphs_arena(card, tokens):
+    model = load_model(card)
+    full = plan_arena(build_pass(model, "prefill", tokens, KV, with_drafter=model.has_drafter))
+    rep = plan_arena(build_pass(model, "prefill", tokens, KV, layers=representative_layers(model.hparams),
+                                with_drafter=model.has_drafter))
+    assert rep.size_bytes == full.size_bytes
+
+
+def test_arena_grows_with_the_chunk(qwen):
+    sizes = [plan_arena(build_pass(qwen, "prefill", t, KV, layers=[0])).size_bytes for t in (64, 512, 4096)]
+    assert sizes[0] < sizes[1] < sizes[2]
+
+
+@pytest.mark.parametrize("kind, tokens", [("prefill", 512), ("decode", 1), ("decode", 4)])
+def test_representative_cost_equals_the_full_graphs_cost(air, kind, tokens):
+    """Blocks of one kind differ only in their weights' types: a representative priced with each block's
+    own weight bytes must cost what the full graph costs."""
+    gpu = load_profile("rtx-3090-24g").gpus[0]
+    blocks = range(air.hparams.n_trunk)
+    full = pass_cost(build_pass(air, kind, tokens, KV, with_drafter=True), gpu, air, blocks)
+    rep = pass_cost(build_pass(air, kind, tokens, KV, layers=representative_layers(air.hparams), with_drafter=True),
+                    gpu, air, blocks)
+    assert rep.n_nodes == full.n_nodes
+    assert rep.kv_bytes_per_token == full.kv_bytes_per_token
+    for context in (1000, 20000):
+        assert rep.dense_s(context, context) == pytest.approx(full.dense_s(context, context), rel=1e-12)
+
+
+def test_decode_reads_the_weights_once_per_window(air):
+    """A verify window of 5 reads the same dense bytes as a step of 1."""
+    one = sum(n["weight_bytes"] for _, n in build_pass(air, "decode", 1, KV).nodes(data=True) if n["op"] != "embed")
+    five = sum(n["weight_bytes"] for _, n in build_pass(air, "decode", 5, KV).nodes(data=True) if n["op"] != "embed")
+    assert one == five
