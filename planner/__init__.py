@@ -8,7 +8,7 @@
 __version__ = "0.1.0"
 __all__ = ["solve", "load_plan", "Plan", "StratumError", "DoesNotFit", "__version__"]
 
-_EXPORTS = {"solve": "planner.solve", "load_plan": "planner.plan", "Plan": "planner.plan",
+_EXPORTS = {"solve": "planner.search", "load_plan": "planner.plan", "Plan": "planner.plan",
             "StratumError": "planner.errors", "DoesNotFit": "planner.errors"}
 
 

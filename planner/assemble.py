@@ -9,7 +9,7 @@ import numpy as np
 from planner import __version__
 from planner.layout import REGION_PURPOSE
 from planner.plan import Plan
-from planner.solve import (MIN_RING_SLOTS, Knobs, Problem, chunk_candidates, decode_token_s, feasible_cache,
+from planner.search import (MIN_RING_SLOTS, Knobs, Problem, chunk_candidates, decode_token_s, feasible_cache,
                            host_bytes, prefill_s, regions, request_s)
 from planner.units import format_bytes, format_rate
 
@@ -152,7 +152,7 @@ def _versus(base: float, other: float | None, what: str) -> str:
 def explanations(problem: Problem, knobs: Knobs) -> dict:
     base = _objective(problem, knobs)
     notes = {}
-    chunks = chunk_candidates(problem)
+    chunks = sorted(set(chunk_candidates(problem)) | {knobs.chunk_tokens})    # a pinned chunk may be off the grid
     i = chunks.index(knobs.chunk_tokens)
     options = [c for c in (chunks[i - 1] if i else None, chunks[i + 1] if i + 1 < len(chunks) else None) if c]
     notes["chunk_tokens"] = (f"{knobs.chunk_tokens} positions per prefill pass (arena "

@@ -58,7 +58,7 @@ def _workload(args):
 
 
 def cmd_plan(args):
-    from planner.solve import solve
+    from planner.search import solve
 
     pins = {key: value for key, value in (("chunk_tokens", args.chunk), ("kv_pages", args.kv_pages),
                                           ("ring_slots", args.ring_slots)) if value is not None}

@@ -9,7 +9,7 @@ from pathlib import Path
 from planner.errors import DoesNotFit
 from planner.model import bundled_cards, load_model
 from planner.profile import bundled_profiles, load_profile
-from planner.solve import solve
+from planner.search import solve
 from plans import GENERATED_DIR
 
 GENERATED_CONTEXT_TOKENS = 32768

@@ -4,6 +4,7 @@ Written as YAML (or JSON) with a versioned schema and validated on load: a plan 
 overflow, or that was made for another model or profile, is refused with what differs.
 """
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +38,10 @@ class Plan:
         return max((r.end for r in self.regions if r.device == device), default=0)
 
     def to_dict(self) -> dict:
-        return {"schema": self.schema, "model": self.model, "profile": self.profile, "settings": self.settings,
+        """A deep copy: editing it never edits the plan."""
+        return copy.deepcopy({"schema": self.schema, "model": self.model, "profile": self.profile, "settings": self.settings,
                 "devices": self.devices, "knobs": self.knobs, "predictions": self.predictions,
-                "binding": self.binding, "explanations": self.explanations}
+                "binding": self.binding, "explanations": self.explanations})
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, width=120)

@@ -1,6 +1,7 @@
 """Plans as people read them: a terminal summary, an SVG picture, the reasons behind each knob, and a diff.
 
-Pure functions from Plan objects to text; the CLI decides where the text goes.
+Pure functions from Plan objects to text; the CLI decides where the text goes. Terminal text comes without
+a trailing newline (print adds one); the SVG ends with one, as a file should.
 """
 
 import textwrap
@@ -75,8 +76,13 @@ def _wrapped(text: str, first: str, rest: str) -> list[str]:
                          break_on_hyphens=False) or [first.rstrip()]
 
 
+def _profile_name(plan: Plan) -> str:
+    # A plan file need only carry the profile's fingerprint; the name is for people.
+    return plan.profile.get("name", plan.profile["fingerprint"])
+
+
 def _title(plan: Plan) -> str:
-    return f"{plan.model['name']} on {plan.profile.get('name', plan.profile['fingerprint'])}"
+    return f"{plan.model['name']} on {_profile_name(plan)}"
 
 
 def _settings_line(plan: Plan) -> str:
@@ -133,7 +139,7 @@ def _device_section(device: dict, color: bool) -> list[str]:
     rows = [[r["name"], str(r["offset"]), format_bytes(r["bytes"]), str(r["bytes"]),
              f"{r['bytes'] / usable:.1%}", r.get("purpose", REGION_PURPOSE.get(r["name"], ""))]
             for r in device["regions"]]
-    table = _table(["region", "offset", "size", "bytes", "usable", "purpose"], rows, right={1, 2, 3, 4})
+    table = _table(["region", "offset", "size", "bytes", "of usable", "purpose"], rows, right={1, 2, 3, 4})
     return ([_gpu_line(device)]
             + _indent(table)
             + _indent([f"reserved {_bytes(device['reserved_bytes'])}; usable {_bytes(usable)}; "
@@ -170,19 +176,19 @@ def show(plan: Plan, color: bool = False) -> str:
     """The whole plan for a terminal: layout per GPU with a bar, knobs, predictions and what binds."""
     summary = plan.model.get("summary", {})
     architecture = f" ({summary['architecture']})" if "architecture" in summary else ""
-    lines = [f"model {plan.model['name']}{architecture}, profile {plan.profile.get('name')}",
+    lines = [f"model {plan.model['name']}{architecture}, profile {_profile_name(plan)}",
              _settings_line(plan), ""]
     for device in plan.devices:
         lines += _device_section(device, color) + [""]
     lines += _knob_section(plan.knobs) + [""]
     lines += _prediction_section(plan.predictions) + [""]
     lines += _binding_section(plan)
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 # --- svg -------------------------------------------------------------------------------------------
 
-SVG_WIDTH, MARGIN, BAND_HEIGHT, BAND_GAP, ROW_HEIGHT = 1000, 20, 48, 36, 20
+SVG_WIDTH, MARGIN, BANDS_TOP, BAND_HEIGHT, BAND_GAP, ROW_HEIGHT = 1000, 20, 86, 48, 36, 20
 CHAR_PX = 6.6       # a rough width of one character of the 11 px sans-serif labels
 
 
@@ -261,11 +267,10 @@ def svg(plan: Plan) -> str:
     """A standalone SVG: one band per GPU, every region to scale, and a legend with sizes and purposes."""
     # One scale for every GPU, so that a smaller card draws a shorter band and GPUs compare at a glance.
     scale = (SVG_WIDTH - 2 * MARGIN) / max(d["vram_bytes"] for d in plan.devices)
-    top = 86
     body = []
     for i, device in enumerate(plan.devices):
-        body += _band(device, top + i * (BAND_HEIGHT + BAND_GAP), scale)
-    legend_top = top + len(plan.devices) * (BAND_HEIGHT + BAND_GAP)
+        body += _band(device, BANDS_TOP + i * (BAND_HEIGHT + BAND_GAP), scale)
+    legend_top = BANDS_TOP + len(plan.devices) * (BAND_HEIGHT + BAND_GAP)
     body += _legend(plan, legend_top)
     height = legend_top + len(_legend_sizes(plan)) * ROW_HEIGHT + MARGIN
     head = [f"<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{SVG_WIDTH}\" height=\"{height}\" "
@@ -283,7 +288,7 @@ def svg(plan: Plan) -> str:
 
 def explain(plan: Plan) -> str:
     """Why each knob has its value, then the constraints that bind, wrapped for reading."""
-    lines = [f"Why each knob has its value ({_title(plan)}; {_settings_line(plan)}):", ""]
+    lines = _wrapped(f"Why each knob has its value ({_title(plan)}; {_settings_line(plan)}):", "", "") + [""]
     for knob, why in plan.explanations.items():
         value = f" = {_value(knob, plan.knobs[knob])}" if knob in plan.knobs else ""
         lines += [f"{knob}{value}"] + _wrapped(why, "    ", "    ")
@@ -293,7 +298,7 @@ def explain(plan: Plan) -> str:
     if rest:
         lines += ["", "Derived from the knobs above or fixed:"] + _wrapped("; ".join(rest), "    ", "    ")
     lines += [""] + _binding_section(plan)
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 # --- diff ------------------------------------------------------------------------------------------
@@ -402,14 +407,11 @@ def diff(a: Plan, b: Plan) -> str:
     sections = [("Model, profile and settings:", _header_changes(a, b)), ("Regions:", devices),
                 ("Knobs:", _changed(a.knobs, b.knobs)), ("Predictions:", _prediction_changes(a.predictions,
                                                                                               b.predictions))]
-    lines = []
-    for heading, body in sections:
-        if body:
-            lines += [heading] + _indent(body) + [""]
-    if not lines:
-        if a.to_dict() == b.to_dict():
-            return "the plans are identical\n"
-        # Layout, knobs and predictions agree; say where the rest differs rather than claim identity.
-        rest = [key for key, value in a.to_dict().items() if b.to_dict().get(key) != value]
-        return f"same layout, knobs and predictions; the plans differ only in: {', '.join(rest)}\n"
-    return "\n".join(lines)
+    blocks = ["\n".join([heading] + _indent(body)) for heading, body in sections if body]
+    if blocks:
+        return "\n\n".join(blocks)
+    if a.to_dict() == b.to_dict():
+        return "the plans are identical"
+    # Layout, knobs and predictions agree; say where the rest differs rather than claim identity.
+    rest = [key for key, value in a.to_dict().items() if b.to_dict().get(key) != value]
+    return f"same layout, knobs and predictions; the plans differ only in: {', '.join(rest)}"

@@ -1,4 +1,4 @@
-"""The search: the VRAM layout that minimises the workload's expected request time.
+"""The search (`planner.solve` is its entry point): the VRAM layout that minimises the workload's expected request time.
 
 Variables: prefill chunk (powers of two), K/V ring pages, prefill ring slots, expert cache slots per GPU,
 MTP draft depth, and the drafter room's threshold. For each chunk, every (K/V pages, ring slots) pair of a
