@@ -82,12 +82,14 @@ def predictions(problem: Problem, knobs: Knobs) -> dict:
     resident = problem.resident_tokens(knobs.kv_pages)
     for depth in depths:
         step = sum(float(c.window_s(1, depth, s, resident)) for c, s in zip(problem.costs, knobs.cache_slots))
-        per_token, best_depth = decode_token_s(problem, depth, knobs.kv_pages, list(knobs.cache_slots))
-        row = {"depth": depth, "tok_s": _sig(1.0 / float(per_token)), "draft_depth": int(best_depth),
-               "tok_s_without_mtp": _sig(1.0 / step), "expert_hit_rate": _sig(hit_rate(problem, knobs))}
+        per_token, _ = decode_token_s(problem, depth, knobs.kv_pages, list(knobs.cache_slots), [knobs.draft_depth])
+        _, best_depth = decode_token_s(problem, depth, knobs.kv_pages, list(knobs.cache_slots))
+        row = {"depth": depth, "tok_s": _sig(1.0 / float(per_token)), "tok_s_without_mtp": _sig(1.0 / step),
+               "best_draft_depth": int(best_depth)}
         decode.append(row)
     objective = request_s(problem, knobs.chunk_tokens, knobs.kv_pages, knobs.ring_slots, list(knobs.cache_slots))
-    return {"prefill": prefill, "decode": decode, "request_seconds": _sig(objective)}
+    return {"prefill": prefill, "decode": decode, "expert_hit_rate": _sig(hit_rate(problem, knobs)),
+            "request_seconds": _sig(objective)}
 
 
 def hit_rate(problem: Problem, knobs: Knobs) -> float:
@@ -116,15 +118,14 @@ def binding(problem: Problem, knobs: Knobs, devices: list) -> list[str]:
     longest = max(t for t, _ in problem.workload.prompts)
     read = problem.workload.read_tokens(longest)
     chunk = min(knobs.chunk_tokens, read)
-    cost = problem.costs[-1]
-    miss_table, count_table, _, _ = cost.window_tables(chunk)
-    streamed = float(miss_table.total(knobs.cache_slots[-1]))
-    copy_s = streamed / cost.gpu.host_to_device_bytes_per_s
+    streamed = sum(float(c.window_tables(chunk)[0].total(s)) for c, s in zip(problem.costs, knobs.cache_slots))
+    copy_s = sum(float(c.window_tables(chunk)[0].total(s)) / c.gpu.host_to_device_bytes_per_s
+                 for c, s in zip(problem.costs, knobs.cache_slots))
     whole = float(prefill_s(problem, chunk, 0, knobs.chunk_tokens, knobs.kv_pages, knobs.ring_slots,
                             list(knobs.cache_slots), room=False))
     bound = "the host link" if copy_s >= 0.5 * whole else "compute"
-    lines.append(f"prefill: a {chunk}-token chunk streams {format_bytes(streamed)} of experts "
-                 f"({copy_s * 1e3:.1f} ms at {format_rate(cost.gpu.host_to_device_bytes_per_s)}) in a "
+    lines.append(f"prefill: a {chunk}-token chunk streams {format_bytes(streamed)} of experts over the GPUs' "
+                 f"host links ({copy_s * 1e3:.1f} ms of copying) in a "
                  f"{whole * 1e3:.1f} ms chunk: bound by {bound}")
     return lines
 
@@ -144,7 +145,7 @@ def _objective(problem: Problem, knobs: Knobs, **changes) -> float | None:
 
 def _versus(base: float, other: float | None, what: str) -> str:
     if other is None:
-        return f"{what} does not fit"
+        return f"{what} would not fit (or is below the minimum)"
     change = (other - base) / base
     return f"{what} would make a request {abs(change):.1%} {'slower' if change >= 0 else 'faster'}"
 
@@ -165,7 +166,7 @@ def explanations(problem: Problem, knobs: Knobs) -> dict:
                          "VRAM; " + "; ".join(_versus(base, _objective(problem, knobs, kv_pages=p), f"{p} pages")
                                               for p in (knobs.kv_pages - step, knobs.kv_pages + step)))
     notes["prefill_ring_slots"] = (f"{knobs.ring_slots} slots of {format_bytes(problem.slot_bytes)}; " +
-                                   "; ".join(_versus(base, _objective(problem, knobs, ring_slots=r), f"{r} slots")
+                                   "; ".join(_versus(base, _objective(problem, knobs, ring_slots=r), f"{r} slot{'s' * (r != 1)}")
                                              for r in (knobs.ring_slots - 1, knobs.ring_slots + 1,
                                                        2 * knobs.ring_slots)))
     notes["expert_cache_slots"] = ("what is left of each GPU after the other regions: more cache never costs "
@@ -179,7 +180,7 @@ def explanations(problem: Problem, knobs: Knobs) -> dict:
         for n in range(0, 5):
             verify = sum(float(c.window_s(1 + n, depth, s, resident)) for c, s in zip(problem.costs, knobs.cache_slots))
             per_n.append(f"{n}: {sum(a ** i for i in range(n + 1)) / (n * draft + verify):.1f} tok/s")
-        notes["draft_depth"] = (f"{knobs.draft_depth} drafts per verify window at acceptance {a}; at depth {depth}: "
+        notes["draft_depth"] = (f"{knobs.draft_depth} draft{'s' * (knobs.draft_depth != 1)} per verify window at acceptance {a}; at depth {depth}: "
                                 + ", ".join(per_n))
         notes["drafter_window_tokens"] = (f"{knobs.drafter_window_tokens} positions, from the workload's "
                                           "drafter_window; its ring holds them plus one page")

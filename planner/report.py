@@ -5,6 +5,7 @@ a trailing newline (print adds one); the SVG ends with one, as a file should.
 """
 
 import textwrap
+from collections.abc import Collection
 from xml.sax.saxutils import escape, quoteattr
 
 from planner.layout import REGION_ORDER, REGION_PURPOSE
@@ -57,7 +58,7 @@ def _percent_change(a: float, b: float) -> str:
     return f"{(b - a) / a:+.1%}" if a else "from zero"
 
 
-def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
+def _table(headers: list[str], rows: list[list[str]], right: Collection[int] = ()) -> list[str]:
     """Columns as wide as their widest cell; the columns in `right` (numbers) aligned right."""
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
 
@@ -113,7 +114,7 @@ def _segments(device: dict) -> list[tuple[str, int]]:
 
 def _apportion(sizes: list[int], width: int) -> list[int]:
     """Largest-remainder rounding: the counts add up to `width` and each is its exact share rounded down or
-    up, so a region below half a character may vanish but no region is ever off by more than one."""
+    up, so a region smaller than one character may vanish but no region is ever off by more than one."""
     total = sum(sizes)
     counts = [size * width // total for size in sizes]
     remainders = sorted(range(len(sizes)), key=lambda i: sizes[i] * width % total, reverse=True)
@@ -154,15 +155,16 @@ def _knob_section(knobs: dict) -> list[str]:
 def _prediction_section(predictions: dict) -> list[str]:
     prefill = [[str(p["prompt_tokens"]), str(p["read_tokens"]), _number(p["seconds"]), _number(p["tok_s"]),
                 _value("", p["room_open"])] for p in predictions.get("prefill", [])]
-    decode = [[str(d["depth"]), _number(d["tok_s"]), str(d["draft_depth"]), _number(d["tok_s_without_mtp"]),
-               f"{d['expert_hit_rate']:.1%}"] for d in predictions.get("decode", [])]
+    decode = [[str(d["depth"]), _number(d["tok_s"]), _number(d["tok_s_without_mtp"]), str(d["best_draft_depth"])]
+              for d in predictions.get("decode", [])]
     return (["Prefill:"]
             + _indent(_table(["prompt tokens", "read tokens", "seconds", "tok/s", "room open"], prefill,
                              right={0, 1, 2, 3}))
             + ["Decode:"]
-            + _indent(_table(["depth", "tok/s", "draft depth", "tok/s without MTP", "hit rate"], decode,
-                             right={0, 1, 2, 3, 4}))
-            + [f"Expected request: {_number(predictions.get('request_seconds'))} s"])
+            + _indent(_table(["depth", "tok/s", "tok/s without MTP", "best draft depth there"], decode,
+                             right={0, 1, 2, 3}))
+            + [f"Expert cache hit rate (decode, by bytes): {predictions.get('expert_hit_rate', 0):.1%}",
+               f"Expected request: {_number(predictions.get('request_seconds'))} s"])
 
 
 def _binding_section(plan: Plan) -> list[str]:

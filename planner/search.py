@@ -208,15 +208,17 @@ def prefill_s(problem: Problem, read: int, start: int, chunk: int, pages, ring_s
     return total
 
 
-def decode_token_s(problem: Problem, depth: int, pages, cache_slots):
-    """Seconds per generated token at `depth`, with the best draft depth (0 without MTP)."""
+def decode_token_s(problem: Problem, depth: int, pages, cache_slots, draft_depths=None):
+    """Seconds per generated token at `depth`, with the best of `draft_depths` (default all; 0 without MTP)."""
     resident = problem.resident_tokens(pages)
     step = sum(c.window_s(1, depth, s, resident) for c, s in zip(problem.costs, cache_slots))
     best, best_depth = step, np.zeros_like(np.asarray(step, dtype=float), dtype=int)
+    if draft_depths is not None and 0 not in draft_depths:
+        best = np.full_like(np.asarray(step, dtype=float), np.inf)
     if problem.mtp:
         draft = sum(c.draft_s(depth, problem.workload.drafter_window) for c in problem.costs)
         a = problem.workload.draft_acceptance
-        for n in range(1, MAX_DRAFT_DEPTH + 1):
+        for n in range(1, MAX_DRAFT_DEPTH + 1) if draft_depths is None else [d for d in draft_depths if d]:
             verify = sum(c.window_s(1 + n, depth, s, resident) for c, s in zip(problem.costs, cache_slots))
             tokens = sum(a ** i for i in range(n + 1))
             per_token = (n * draft + verify) / tokens
