@@ -79,7 +79,7 @@ def cmd_show(args):
     from planner import report
     from planner.plan import load_plan
 
-    plan = load_plan(args.plan)
+    plan = load_plan(args.plan, model=args.model, hardware=args.hardware)
     if args.svg:
         Path(args.svg).write_text(report.svg(plan))
         print(f"wrote {args.svg}", file=sys.stderr)
@@ -91,7 +91,7 @@ def cmd_explain(args):
     from planner import report
     from planner.plan import load_plan
 
-    print(report.explain(load_plan(args.plan)))
+    print(report.explain(load_plan(args.plan, model=args.model, hardware=args.hardware)))
 
 
 def cmd_diff(args):
@@ -135,6 +135,11 @@ def cmd_models(args):
               f"{'  + MTP drafter' if model.has_drafter else ''}")
 
 
+def _add_check_arguments(p: argparse.ArgumentParser):
+    p.add_argument("--model", help="refuse the plan unless it was made for this model (GGUF, card or name)")
+    p.add_argument("--hardware", help="refuse the plan unless it was made for this hardware profile")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stratum", description="Plan MoE inference on GPUs too small for the model.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,9 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="the layout as a table and a bar per GPU, the knobs, the predictions")
     p.add_argument("plan")
     p.add_argument("--svg", help="write the layout as an SVG picture instead")
+    _add_check_arguments(p)
     p.set_defaults(run=cmd_show)
     p = sub.add_parser("explain", help="why each knob has its value, and what binds")
     p.add_argument("plan")
+    _add_check_arguments(p)
     p.set_defaults(run=cmd_explain)
     p = sub.add_parser("diff", help="what changed between two plans, region by region")
     p.add_argument("a")
