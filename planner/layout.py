@@ -23,7 +23,8 @@ REGION_PURPOSE = {
 }
 
 
-def aligned(n_bytes: int) -> int:
+def aligned(n_bytes):
+    """Rounded up to the region alignment (works on numpy arrays of sizes too)."""
     return -(-n_bytes // ARENA_ALIGNMENT_BYTES) * ARENA_ALIGNMENT_BYTES
 
 

@@ -257,17 +257,13 @@ def feasible_cache(problem: Problem, chunk: int, pages, ring_slots, arena: int):
     """Cache slots each GPU gets from what is left (negative: the layout does not fit)."""
     slots = []
     for i, share in enumerate(problem.shares):
-        used = problem.fixed_bytes[i] + aligned_array(problem.kv_bytes(i, pages)) + \
-            aligned_array(ring_slots * problem.slot_bytes) + arena
+        used = problem.fixed_bytes[i] + aligned(problem.kv_bytes(i, pages)) + aligned(ring_slots * problem.slot_bytes) \
+            + arena
         if share.last and problem.mtp:
             used = used + aligned(problem.drafter_kv_bytes(chunk))
-        left = share.gpu.usable_bytes - used - 8 * 256      # region padding: at most 256 bytes per region
+        left = share.gpu.usable_bytes - used
         slots.append(np.where(left >= 0, np.minimum(left // problem.slot_bytes, problem.cache_slots_max(i)), -1))
     return slots
-
-
-def aligned_array(n_bytes):
-    return -(-np.asarray(n_bytes) // 256) * 256
 
 
 def search(problem: Problem, pins: dict | None = None) -> Knobs:
@@ -378,7 +374,7 @@ def refusal(problem: Problem) -> DoesNotFit:
                 "activation arena": problem.arena_bytes(chunk)}
         if share.last and problem.mtp:
             need["drafter (MTP)"] = _drafter_region_bytes(problem) + problem.drafter_kv_bytes(chunk)
-        total = sum(need.values()) + 8 * 256
+        total = sum(aligned(v) for v in need.values())
         if total > share.gpu.usable_bytes:
             floor = max(need, key=need.get)
             parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in need.items())
