@@ -9,7 +9,7 @@ import numpy as np
 from planner import __version__
 from planner.layout import REGION_PURPOSE
 from planner.plan import Plan
-from planner.search import (MIN_RING_SLOTS, Knobs, Problem, chunk_candidates, decode_token_s, feasible_cache,
+from planner.search import (MIN_RING_SLOTS, Knobs, Problem, chunk_candidates, decode_per_draft_depth, feasible_cache,
                            host_bytes, prefill_s, regions, request_s)
 from planner.units import format_bytes, format_rate
 
@@ -79,15 +79,15 @@ def predictions(problem: Problem, knobs: Knobs) -> dict:
                         "tok_s": _sig(read / seconds), "room_open": room})
     depths = sorted({d for d in STANDARD_DEPTHS if d <= problem.context_tokens} | {problem.context_tokens})
     decode = []
-    resident = problem.resident_tokens(knobs.kv_pages)
     for depth in depths:
-        step = sum(float(c.window_s(1, depth, s, resident)) for c, s in zip(problem.costs, knobs.cache_slots))
-        per_token, _ = decode_token_s(problem, depth, knobs.kv_pages, list(knobs.cache_slots), [knobs.draft_depth])
-        _, best_depth = decode_token_s(problem, depth, knobs.kv_pages, list(knobs.cache_slots))
-        row = {"depth": depth, "tok_s": _sig(1.0 / float(per_token)), "tok_s_without_mtp": _sig(1.0 / step),
-               "best_draft_depth": int(best_depth)}
+        per_depth = [float(t) for t in decode_per_draft_depth(problem, depth, knobs.kv_pages,
+                                                              list(knobs.cache_slots))]
+        row = {"depth": depth, "tok_s": _sig(1.0 / per_depth[knobs.draft_depth]),
+               "tok_s_without_mtp": _sig(1.0 / per_depth[0]),
+               "best_draft_depth": min(range(len(per_depth)), key=per_depth.__getitem__)}
         decode.append(row)
-    objective = request_s(problem, knobs.chunk_tokens, knobs.kv_pages, knobs.ring_slots, list(knobs.cache_slots))
+    objective = request_s(problem, knobs.chunk_tokens, knobs.kv_pages, knobs.ring_slots, list(knobs.cache_slots),
+                          knobs.draft_depth)
     return {"prefill": prefill, "decode": decode, "expert_hit_rate": _sig(hit_rate(problem, knobs)),
             "request_seconds": _sig(objective)}
 

@@ -77,27 +77,27 @@ class DeviceCost:
         index_of = {layer.layer: i for i, layer in enumerate(model.expert_layers)}
         self.popularity = all_pop[[index_of[b] for b in self.moe_blocks]] if self.moe_blocks else all_pop[:0]
         self.n_expert = hp.n_expert
-        self._graphs = {}
+        self._memo = {}     # graphs, their costs and expert tables, by pass kind and tokens
 
     # --- graphs and their roofline -------------------------------------------------------------------
     def graph(self, kind: str, tokens: int):
         key = (kind, tokens)
-        if key not in self._graphs:
+        if key not in self._memo:
             layers = representative_layers(self.model.hparams)
-            self._graphs[key] = build_pass(self.model, kind, tokens, self.kv, layers=layers,
+            self._memo[key] = build_pass(self.model, kind, tokens, self.kv, layers=layers,
                                            with_drafter=self.mtp and self.share.last)
-        return self._graphs[key]
+        return self._memo[key]
 
     def cost(self, kind: str, tokens: int):
         key = ("cost", kind, tokens)
-        if key not in self._graphs:
+        if key not in self._memo:
             globals_ = (self.share.first, self.share.last)
             if kind == "draft":
-                self._graphs[key] = pass_cost(self.graph(kind, tokens), self.gpu, self.model, (), (False, True))
+                self._memo[key] = pass_cost(self.graph(kind, tokens), self.gpu, self.model, (), (False, True))
             else:
-                self._graphs[key] = pass_cost(self.graph(kind, tokens), self.gpu, self.model, self.share.blocks,
+                self._memo[key] = pass_cost(self.graph(kind, tokens), self.gpu, self.model, self.share.blocks,
                                               globals_)
-        return self._graphs[key]
+        return self._memo[key]
 
     # --- expert tables ---------------------------------------------------------------------------------
     def _table(self, per_expert: np.ndarray) -> SlotTable:
@@ -120,12 +120,12 @@ class DeviceCost:
 
     def window_tables(self, tokens: int):
         key = ("window", tokens)
-        if key not in self._graphs:
+        if key not in self._memo:
             touched = self.touched(tokens)
             count = np.hstack([np.cumsum(touched[:, ::-1], axis=1)[:, ::-1], np.zeros((touched.shape[0], 1))])
-            self._graphs[key] = (self._table(touched), SlotTable(count), float((touched.sum(axis=1) * self.blobs).sum()),
+            self._memo[key] = (self._table(touched), SlotTable(count), float((touched.sum(axis=1) * self.blobs).sum()),
                                  float(touched.sum()))
-        return self._graphs[key]
+        return self._memo[key]
 
     # --- decode ----------------------------------------------------------------------------------------
     def window_s(self, tokens: int, depth, cache_slots, resident_tokens):

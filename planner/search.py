@@ -173,29 +173,36 @@ def split_blocks(model: Model, profile: Profile) -> list[DeviceShare]:
 
 # --- pricing ---------------------------------------------------------------------------------------------
 
-def request_s(problem: Problem, chunk: int, pages, ring_slots, cache_slots: list, detail: bool = False):
-    """Expected seconds of one request of the workload, for arrays of layouts (broadcast together).
-
-    Returns (objective, best draft depth); with detail, also per-prompt prefill/decode figures."""
+def request_s(problem: Problem, chunk: int, pages, ring_slots, cache_slots: list, draft_depth: int | None = None):
+    """Expected seconds of one request of the workload, for arrays of layouts (broadcast together), at the
+    best draft depth for the whole workload (one depth per plan) or at `draft_depth`."""
     wl = problem.workload
     weights = np.array([w for _, w in wl.prompts], dtype=np.float64)
-    total = 0.0
-    rows = []
-    for (prompt_tokens, weight) in wl.prompts:
+    prefill_total = 0.0
+    for prompt_tokens, weight in wl.prompts:
         read = wl.read_tokens(prompt_tokens)
         start = prompt_tokens - read
         shut = prefill_s(problem, read, start, chunk, pages, ring_slots, cache_slots, room=False)
         opened = prefill_s(problem, read, start, chunk, pages, ring_slots, cache_slots, room=True) \
             + problem.room_reclaim_s if problem.room_slots else shut
-        prefill = np.minimum(shut, opened)
-        depth = prompt_tokens + wl.decode_tokens // 2
-        per_token, _ = decode_token_s(problem, depth, pages, cache_slots)
-        total = total + weight * (prefill + wl.decode_tokens * per_token)
-        if detail:
-            rows.append(dict(prompt_tokens=prompt_tokens, read_tokens=read, prefill_s=prefill,
-                             room_open=bool(np.all(opened < shut)), decode_depth=depth, decode_token_s=per_token))
-    objective = total / weights.sum()
-    return (objective, rows) if detail else objective
+        prefill_total = prefill_total + weight * np.minimum(shut, opened)
+    decode = [decode_per_draft_depth(problem, tokens + wl.decode_tokens // 2, pages, cache_slots)
+              for tokens, _ in wl.prompts]
+    best = None
+    for depth in draft_depth_options(problem) if draft_depth is None else [draft_depth]:
+        decode_total = sum(weight * wl.decode_tokens * per_depth[depth]
+                           for (_, weight), per_depth in zip(wl.prompts, decode))
+        best = decode_total if best is None else np.minimum(best, decode_total)
+    return (prefill_total + best) / weights.sum()
+
+
+def draft_depth_options(problem: Problem) -> range:
+    return range(0, MAX_DRAFT_DEPTH + 1) if problem.mtp else range(0, 1)
+
+
+def best_draft_depth(problem: Problem, chunk: int, pages: int, ring: int, cache: list) -> int:
+    return min(draft_depth_options(problem),
+               key=lambda depth: float(request_s(problem, chunk, pages, ring, cache, depth)))
 
 
 def prefill_s(problem: Problem, read: int, start: int, chunk: int, pages, ring_slots, cache_slots, room: bool):
@@ -208,24 +215,18 @@ def prefill_s(problem: Problem, read: int, start: int, chunk: int, pages, ring_s
     return total
 
 
-def decode_token_s(problem: Problem, depth: int, pages, cache_slots, draft_depths=None):
-    """Seconds per generated token at `depth`, with the best of `draft_depths` (default all; 0 without MTP)."""
+def decode_per_draft_depth(problem: Problem, depth: int, pages, cache_slots) -> list:
+    """Seconds per generated token at `depth` for each draft depth (index 0: no drafting)."""
     resident = problem.resident_tokens(pages)
     step = sum(c.window_s(1, depth, s, resident) for c, s in zip(problem.costs, cache_slots))
-    best, best_depth = step, np.zeros_like(np.asarray(step, dtype=float), dtype=int)
-    if draft_depths is not None and 0 not in draft_depths:
-        best = np.full_like(np.asarray(step, dtype=float), np.inf)
+    per_depth = [step]
     if problem.mtp:
         draft = sum(c.draft_s(depth, problem.workload.drafter_window) for c in problem.costs)
         a = problem.workload.draft_acceptance
-        for n in range(1, MAX_DRAFT_DEPTH + 1) if draft_depths is None else [d for d in draft_depths if d]:
+        for n in range(1, MAX_DRAFT_DEPTH + 1):
             verify = sum(c.window_s(1 + n, depth, s, resident) for c, s in zip(problem.costs, cache_slots))
-            tokens = sum(a ** i for i in range(n + 1))
-            per_token = (n * draft + verify) / tokens
-            better = per_token < best
-            best_depth = np.where(better, n, best_depth)
-            best = np.minimum(best, per_token)
-    return best, best_depth
+            per_depth.append((n * draft + verify) / sum(a ** i for i in range(n + 1)))
+    return per_depth
 
 
 # --- search ----------------------------------------------------------------------------------------------
@@ -297,9 +298,8 @@ def search(problem: Problem, pins: dict | None = None) -> Knobs:
     if not {"kv_pages", "ring_slots"} <= set(pins):
         pages, ring = _refine(problem, chunk, arena, pages, ring, pins)
     cache = [int(s) for s in feasible_cache(problem, chunk, pages, ring, arena)]
-    _, depth = decode_token_s(problem, max(t for t, _ in problem.workload.prompts), pages, cache)
     return Knobs(chunk_tokens=chunk, kv_pages=int(pages), ring_slots=int(ring), cache_slots=tuple(cache),
-                 draft_depth=int(depth) if problem.mtp else 0,
+                 draft_depth=best_draft_depth(problem, chunk, pages, ring, cache),
                  room_min_read_tokens=room_threshold(problem, chunk, pages, ring, cache),
                  drafter_window_tokens=min(problem.workload.drafter_window, problem.context_tokens)
                  if problem.mtp else 0)
