@@ -136,7 +136,7 @@ class _Builder:
 
     def nextn_input(self, layer: int, token_ids: str, hidden: str, rows: int) -> str:
         """The NextN block's input: eh_proj([enorm(embed(token)) ; hnorm(h)])."""
-        hp, p, e = self.hp, f"blk.{layer}.", self.hp.n_embd
+        p, e = f"blk.{layer}.", self.hp.n_embd
         embedded = self.embed(p + "nextn_embed", token_ids, rows)
         enorm = self.norm(p + "enorm", embedded, p + "nextn.enorm", rows)
         hnorm = self.norm(p + "hnorm", hidden, p + "nextn.hnorm", rows)

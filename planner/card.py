@@ -16,10 +16,10 @@ Norms, biases and the router (`ffn_gate_inp`) are F32, as llama.cpp leaves them,
 
 from pathlib import Path
 
-import yaml
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from planner.architecture import hparams_from_metadata, tensor_layer, tensor_layout, tensor_role
+from planner.document import read_document
 from planner.errors import StratumError
 from planner.header import GGUFHeader, TensorInfo
 
@@ -34,12 +34,7 @@ def use_more_bits(layer: int, n_layers: int) -> bool:
 
 def card_header(path) -> GGUFHeader:
     source = str(path)
-    try:
-        card = yaml.safe_load(Path(path).read_text())
-    except OSError as err:
-        raise StratumError(f"cannot read model card: {err.strerror}", source=source) from None
-    except yaml.YAMLError as err:
-        raise StratumError(f"not valid YAML: {err}".replace("\n", " "), source=source) from None
+    card = read_document(path, "model card")
     if not isinstance(card, dict):
         raise StratumError("expected a mapping with architecture, metadata and types", source=source)
     unknown = sorted(set(card) - {"name", "description", "architecture", "metadata", "types", "overrides"})

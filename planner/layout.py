@@ -65,6 +65,15 @@ def drafter_tensor_names(model, cls: str) -> list[str]:
     return [t.name for t in model.tensors if model.tensor_class[t.name] == cls]
 
 
+def fixed_region_sizes(model, blocks, first: bool, last: bool, mtp: bool) -> dict:
+    """The regions whose size no knob changes: a GPU's dense weights, and the drafter's on the last GPU."""
+    sizes = {"dense": tensors_bytes(model, dense_tensor_names(model, blocks, first, last))}
+    if mtp and last:
+        sizes["drafter_dense"] = tensors_bytes(model, drafter_tensor_names(model, "drafter_dense"))
+        sizes["drafter_experts"] = tensors_bytes(model, drafter_tensor_names(model, "drafter_expert"))
+    return sizes
+
+
 def kv_ring_bytes(pages: int, page_tokens: int, kv_bytes_per_token: int, n_blocks: int) -> int:
     return pages * page_tokens * kv_bytes_per_token * n_blocks
 

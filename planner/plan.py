@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from planner.document import read_document
 from planner.errors import StratumError
 from planner.layout import REGION_ORDER, Region
 
@@ -74,16 +75,7 @@ _REQUIRED = {"schema": str, "model": dict, "profile": dict, "settings": dict, "d
 
 def load_plan(path, model=None, hardware=None) -> Plan:
     """Read and validate a plan; with a model or hardware profile, also check the plan was made for them."""
-    source = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise StratumError(f"cannot read plan: {err.strerror}", source=source) from None
-    try:
-        document = json.loads(text) if source.endswith(".json") else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as err:
-        raise StratumError(f"not a valid plan file: {err}".replace("\n", " "), source=source) from None
-    plan = parse_plan(document, source)
+    plan = parse_plan(read_document(path, "plan file"), str(path))
     if model is not None or hardware is not None:
         from planner.model import load_model
         from planner.profile import load_profile

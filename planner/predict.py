@@ -64,11 +64,10 @@ class DeviceShare:
 
 
 class DeviceCost:
-    def __init__(self, model, share: DeviceShare, kv: KVType, workload: Workload, mtp: bool, page_tokens: int):
+    def __init__(self, model, share: DeviceShare, kv: KVType, workload: Workload, mtp: bool):
         self.model, self.share, self.kv, self.workload, self.mtp = model, share, kv, workload, mtp
         self.gpu = share.gpu
         hp = model.hparams
-        self.page_tokens = page_tokens
         self.moe_blocks = [b for b in share.blocks if hp.is_moe_layer(b)]
         blob_of = {layer.layer: layer.blob_bytes for layer in model.expert_layers}
         self.blobs = np.array([blob_of[b] for b in self.moe_blocks], dtype=np.float64)
@@ -91,20 +90,18 @@ class DeviceCost:
     def cost(self, kind: str, tokens: int):
         key = ("cost", kind, tokens)
         if key not in self._memo:
-            globals_ = (self.share.first, self.share.last)
-            if kind == "draft":
-                self._memo[key] = pass_cost(self.graph(kind, tokens), self.gpu, self.model, (), (False, True))
-            else:
-                self._memo[key] = pass_cost(self.graph(kind, tokens), self.gpu, self.model, self.share.blocks,
-                                              globals_)
+            draft = kind == "draft"     # the NextN block alone, on the GPU that holds the head
+            self._memo[key] = pass_cost(self.graph(kind, tokens), self.gpu, self.model,
+                                        () if draft else self.share.blocks,
+                                        (False, True) if draft else (self.share.first, self.share.last))
         return self._memo[key]
 
     # --- expert tables ---------------------------------------------------------------------------------
-    def _table(self, per_expert: np.ndarray) -> SlotTable:
-        """SlotTable of sum over uncached experts of per_expert[b, e] * blob[b] (bytes left to fetch)."""
+    def _table(self, per_expert: np.ndarray, in_bytes: bool = True) -> SlotTable:
+        """SlotTable of the sum over uncached experts of per_expert[b, e] (times blob[b] when in bytes)."""
         suffix = np.cumsum(per_expert[:, ::-1], axis=1)[:, ::-1]                    # sum from e on
-        left = np.hstack([suffix, np.zeros((per_expert.shape[0], 1))]) * self.blobs[:, None]
-        return SlotTable(left)
+        left = np.hstack([suffix, np.zeros((per_expert.shape[0], 1))])
+        return SlotTable(left * self.blobs[:, None] if in_bytes else left)
 
     @cached_property
     def step_miss_bytes(self) -> SlotTable:
@@ -122,9 +119,8 @@ class DeviceCost:
         key = ("window", tokens)
         if key not in self._memo:
             touched = self.touched(tokens)
-            count = np.hstack([np.cumsum(touched[:, ::-1], axis=1)[:, ::-1], np.zeros((touched.shape[0], 1))])
-            self._memo[key] = (self._table(touched), SlotTable(count), float((touched.sum(axis=1) * self.blobs).sum()),
-                                 float(touched.sum()))
+            self._memo[key] = (self._table(touched), self._table(touched, in_bytes=False),
+                               float((touched.sum(axis=1) * self.blobs).sum()), float(touched.sum()))
         return self._memo[key]
 
     # --- decode ----------------------------------------------------------------------------------------
@@ -175,13 +171,13 @@ class DeviceCost:
         expert_compute = scale * len(self.moe_blocks) * cost.expert_compute_s
         compute = compute + expert_compute + touched_bytes / g.memory_bandwidth_bytes_per_s
         per_expert_compute = expert_compute / max(touched_count, 1e-9)
-        copy = self.mean_blob / g.host_to_device_bytes_per_s
+        copy = self.mean_blob / g.host_to_device_bytes_per_s     # a typical expert's copy, for the ring's stalls
         slot_cycle = g.copy_latency_s + copy + per_expert_compute
-        ring_per_expert = np.maximum(copy, slot_cycle / ring_slots)
+        stall_per_expert = np.maximum(0.0, slot_cycle / ring_slots - copy)
         idle_per_block = np.maximum(0.0, scale * cost.block_s(context, resident) - (ring_slots - 1) * copy)
         streaming_blocks = self._blocks_streaming(cache_slots)
-        stream = (streamed_count * ring_per_expert + streaming_blocks * idle_per_block
-                  + streamed_kv_bytes / g.host_to_device_bytes_per_s)
+        stream = ((streamed_bytes + streamed_kv_bytes) / g.host_to_device_bytes_per_s
+                  + streamed_count * stall_per_expert + streaming_blocks * idle_per_block)
         return np.maximum(compute, stream)
 
     def _blocks_streaming(self, cache_slots):

@@ -9,8 +9,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import yaml
-
+from planner.document import read_document
 from planner.errors import StratumError
 from planner.units import parse_bytes, parse_flops, parse_rate, parse_seconds
 from plans import HARDWARE_DIR
@@ -103,15 +102,7 @@ def load_profile(name_or_path) -> Profile:
             raise StratumError(
                 f"no bundled hardware profile named {name_or_path!r}; bundled: {', '.join(bundled_profiles())}"
                 " (or give a path to a profile YAML)")
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise StratumError(f"cannot read hardware profile: {err.strerror}", source=str(path)) from None
-    try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise StratumError(f"not valid YAML: {err}".replace("\n", " "), source=str(path)) from None
-    return parse_profile(document, source=str(path), default_name=path.stem)
+    return parse_profile(read_document(path, "hardware profile"), source=str(path), default_name=path.stem)
 
 
 def parse_profile(document, source: str, default_name: str = "profile") -> Profile:

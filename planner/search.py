@@ -16,9 +16,9 @@ from codegen.graph import build_pass, representative_layers
 from codegen.memory import plan_arena
 from planner.errors import DoesNotFit, StratumError
 from planner.kv import KVType, parse_kv_type
-from planner.layout import (aligned, carve, dense_tensor_names, drafter_tensor_names, kv_ring_bytes,
-                            tensors_bytes)
+from planner.layout import aligned, carve, fixed_region_sizes, kv_ring_bytes
 from planner.model import Model, load_model
+from planner.plan import Plan
 from planner.predict import MAX_DRAFT_DEPTH, DeviceCost, DeviceShare
 from planner.profile import Profile, load_profile
 from planner.units import format_bytes
@@ -44,8 +44,11 @@ class Problem:
     page_tokens: int
     shares: list            # DeviceShare per GPU
     costs: list             # DeviceCost per GPU
-    fixed_bytes: list       # per GPU: dense (+ drafter) regions
+    fixed_sizes: list       # per GPU: the regions no knob changes (layout.fixed_region_sizes)
     arenas: dict = field(default_factory=dict)     # chunk tokens -> arena bytes, memoised
+
+    def fixed_bytes(self, device: int) -> int:
+        return sum(aligned(size) for size in self.fixed_sizes[device].values())
 
     @property
     def slot_bytes(self) -> int:
@@ -72,9 +75,7 @@ class Problem:
 
     @property
     def room_slots(self) -> int:
-        if not self.mtp:
-            return 0
-        return aligned(self.model.drafter_expert_bytes) // self.slot_bytes
+        return aligned(self.fixed_sizes[-1].get("drafter_experts", 0)) // self.slot_bytes
 
     @property
     def room_reclaim_s(self) -> float:
@@ -142,15 +143,8 @@ def make_problem(hardware, model, context=None, kv="f16", mtp=None, workload=Non
                            f"{model.hparams.n_ctx_train} tokens", field="context")
     workload = workload.for_context(context)
     shares = split_blocks(model, profile)
-    costs = [DeviceCost(model, share, kv_type, workload, mtp, page_tokens) for share in shares]
-    fixed = []
-    for share in shares:
-        dense = tensors_bytes(model, dense_tensor_names(model, share.blocks, share.first, share.last))
-        drafter = 0
-        if mtp and share.last:
-            drafter = aligned(tensors_bytes(model, drafter_tensor_names(model, "drafter_dense"))) + \
-                aligned(tensors_bytes(model, drafter_tensor_names(model, "drafter_expert")))
-        fixed.append(aligned(dense) + drafter)
+    costs = [DeviceCost(model, share, kv_type, workload, mtp) for share in shares]
+    fixed = [fixed_region_sizes(model, share.blocks, share.first, share.last, mtp) for share in shares]
     return Problem(model, profile, kv_type, context, mtp, workload, page_tokens, shares, costs, fixed)
 
 
@@ -258,7 +252,7 @@ def feasible_cache(problem: Problem, chunk: int, pages, ring_slots, arena: int):
     """Cache slots each GPU gets from what is left (negative: the layout does not fit)."""
     slots = []
     for i, share in enumerate(problem.shares):
-        used = problem.fixed_bytes[i] + aligned(problem.kv_bytes(i, pages)) + aligned(ring_slots * problem.slot_bytes) \
+        used = problem.fixed_bytes(i) + aligned(problem.kv_bytes(i, pages)) + aligned(ring_slots * problem.slot_bytes) \
             + arena
         if share.last and problem.mtp:
             used = used + aligned(problem.drafter_kv_bytes(chunk))
@@ -367,13 +361,14 @@ def refusal(problem: Problem) -> DoesNotFit:
     chunk = MIN_CHUNK_TOKENS
     messages = []
     for i, share in enumerate(problem.shares):
-        need = {"dense weights": problem.fixed_bytes[i] if not (share.last and problem.mtp) else
-                problem.fixed_bytes[i] - _drafter_region_bytes(problem),
+        fixed = problem.fixed_sizes[i]
+        need = {"dense weights": fixed["dense"],
                 "K/V ring (minimum)": problem.kv_bytes(i, problem.min_pages(chunk)),
                 "prefill ring (2 slots)": MIN_RING_SLOTS * problem.slot_bytes,
                 "activation arena": problem.arena_bytes(chunk)}
         if share.last and problem.mtp:
-            need["drafter (MTP)"] = _drafter_region_bytes(problem) + problem.drafter_kv_bytes(chunk)
+            need["drafter (MTP)"] = aligned(fixed["drafter_dense"]) + aligned(fixed["drafter_experts"]) + \
+                problem.drafter_kv_bytes(chunk)
         total = sum(aligned(v) for v in need.values())
         if total > share.gpu.usable_bytes:
             floor = max(need, key=need.get)
@@ -388,24 +383,16 @@ def refusal(problem: Problem) -> DoesNotFit:
     return DoesNotFit(f"{problem.model.name} does not fit {problem.profile.name}: " + "; ".join(messages))
 
 
-def _drafter_region_bytes(problem: Problem) -> int:
-    model = problem.model
-    return aligned(tensors_bytes(model, drafter_tensor_names(model, "drafter_dense"))) + \
-        aligned(tensors_bytes(model, drafter_tensor_names(model, "drafter_expert")))
-
-
 def regions(problem: Problem, knobs: Knobs) -> list:
     """Every GPU's regions, byte-exact, in carve order."""
-    model, result = problem.model, []
+    result = []
     for i, share in enumerate(problem.shares):
-        sizes = {"dense": tensors_bytes(model, dense_tensor_names(model, share.blocks, share.first, share.last)),
+        sizes = {**problem.fixed_sizes[i],
                  "kv_ring": problem.kv_bytes(i, knobs.kv_pages),
                  "expert_cache": knobs.cache_slots[i] * problem.slot_bytes,
                  "prefill_ring": knobs.ring_slots * problem.slot_bytes,
                  "arena": problem.arena_bytes(knobs.chunk_tokens)}
         if share.last and problem.mtp:
-            sizes["drafter_dense"] = tensors_bytes(model, drafter_tensor_names(model, "drafter_dense"))
-            sizes["drafter_experts"] = tensors_bytes(model, drafter_tensor_names(model, "drafter_expert"))
             sizes["drafter_kv"] = problem.drafter_kv_bytes(knobs.chunk_tokens)
         result.extend(carve(i, sizes))
     return result
@@ -434,13 +421,13 @@ def check_host(problem: Problem, knobs: Knobs):
 
 
 def solve(hardware, model, context=None, kv="f16", mtp=None, workload=None,
-          page_tokens: int = PAGE_TOKENS, pins: dict | None = None) -> "Plan":
+          page_tokens: int = PAGE_TOKENS, pins: dict | None = None) -> Plan:
     """Plan a model (GGUF path, card path or bundled card name) on hardware (profile name or path).
 
     context: positions per conversation (default: the model's, at most 32768); kv: K/V type (f16, q8_0, k8v4,
     ...); mtp: draft with the NextN block (default: when the model has one); workload: a Workload or a YAML
     path; pins: knobs to hold fixed (chunk_tokens, kv_pages, ring_slots)."""
-    from planner.assemble import assemble     # the plan's words and predictions, apart from the search
+    from planner.assemble import assemble     # imported here: assemble builds on this module
 
     problem = make_problem(hardware, model, context, kv, mtp, workload, page_tokens)
     knobs = search(problem, pins)

@@ -17,11 +17,10 @@ decode steps at its depth. Every field is optional; the defaults above are used 
 """
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
-import yaml
 
+from planner.document import read_document
 from planner.errors import StratumError
 
 DEFAULT_PROMPT_TOKENS = (512, 4096, 16384)
@@ -82,14 +81,7 @@ def _cap_at_one(p: np.ndarray) -> np.ndarray:
 
 
 def load_workload(path) -> Workload:
-    source = str(path)
-    try:
-        document = yaml.safe_load(Path(path).read_text())
-    except OSError as err:
-        raise StratumError(f"cannot read workload: {err.strerror}", source=source) from None
-    except yaml.YAMLError as err:
-        raise StratumError(f"not valid YAML: {err}".replace("\n", " "), source=source) from None
-    return parse_workload(document or {}, source)
+    return parse_workload(read_document(path, "workload") or {}, str(path))
 
 
 def parse_workload(doc: dict, source: str = "workload") -> Workload:

@@ -121,3 +121,13 @@ def test_generated_plans_are_current():
         assert path.read_text() == text, f"{relative} is stale: run `stratum generate`"
     on_disk = {str(p.relative_to(GENERATED_DIR)) for p in GENERATED_DIR.glob("*/*.yaml")}
     assert on_disk == {r for r in files if r.endswith(".yaml")}
+
+
+def test_planning_imports_no_numba(tmp_path):
+    """`stratum plan` must stay a sub-second process: the planning path never loads the kernel compiler."""
+    code = ("import sys; from planner.cli import main; "
+            f"main(['plan', '--hardware', 'rtx-2060-super-8g', '--model', 'glm-4.5-air-q4_k_m', '-o', "
+            f"'{tmp_path / 'p.yaml'}']); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'numba_cuda', 'llvmlite')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
