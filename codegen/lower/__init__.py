@@ -1,0 +1,28 @@
+"""Lowering: every node kind of the pass graphs as a numba.cuda kernel specialised on its constants.
+
+Modules (each kernel's reference is the same-named function in `runtime.reference`):
+  cuda        the only import of numba.cuda (the capability shim)
+  weights     GGUF tensors repacked into kernel layouts, the same bytes; upload to the device
+  matmul      dense matmuls (bias fused), SwiGLU gate/up, routed experts grouped by expert (prefill and
+              decode families)
+  attention   K/V store into pages (f16, q8_0, q4_0 and mixes) and paged attention (prefill and decode)
+  pointwise   embedding, RMSNorm, per-head RMSNorm, NEOX RoPE, residual adds, concat, router top-k and
+              weights (softmax, sigmoid + bias), argmax
+  program     a pass graph bound to its kernels, weights, K/V and activation arena, run in order
+
+Conventions every kernel keeps:
+  - A factory `make_<op>(constants...)`, cached per process, compiles the kernel once and returns a launch
+    function `launch(stream, *device_arrays)`; it never allocates and never synchronises, so a decode step
+    can be captured into a CUDA graph and replayed. Scratch comes in as arguments (it lives in the arena).
+  - Activations are float32 row-major (rows, features); token ids, positions and expert ids are int32.
+  - Arithmetic is float32 (numba widens float32 * python float to float64: constants are wrapped in
+    float32()); every output element is reduced in one fixed order, so results never depend on how many
+    rows a launch holds:
+      prefill family: any chunk size gives bitwise the same per-token results;
+      decode family: a window of 1..MAX_WINDOW rows gives bitwise the rows of a window of 1, and the window
+      reads each weight once.
+  - No warp shuffles (the simulator has none): reductions go through shared memory.
+"""
+
+MAX_WINDOW = 8      # rows a decode-family launch holds: a decode step, or a verify window of 1 + 7 drafts
+FAMILIES = ("prefill", "decode")
