@@ -25,6 +25,7 @@ from planner.architecture import HParams
 from planner.kv import KVType, row_bytes
 
 PASS_KINDS = ("prefill", "decode", "draft")
+ATTENTION_SPLITS = 64   # page sets a decode/draft window's attention is split into
 ACTIVATION_BYTES = 4    # float32 activations
 INDEX_BYTES = 4         # int32 token and expert ids
 
@@ -82,9 +83,18 @@ class _Builder:
         stored = self.op(p + "kv_store", "kv_store", [k, v], (0,), kv_layer=layer, kv_write=rows * kv_row_bytes)
         if not compute_ffn:
             return stored
-        attn = self.op(p + "attention", "attention", [q, stored], (rows, hp.n_head * hp.head_dim_v),
-                       flops_per_context_token=4.0 * rows * hp.n_head * hp.head_dim_k, kv_layer=layer,
-                       kv_read=kv_row_bytes)
+        kv_attrs = dict(flops_per_context_token=4.0 * rows * hp.n_head * hp.head_dim_k, kv_layer=layer,
+                        kv_read=kv_row_bytes)
+        if self.kind == "prefill":
+            attn = self.op(p + "attention", "attention", [q, stored], (rows, hp.n_head * hp.head_dim_v), **kv_attrs)
+        else:
+            # a window's few queries cannot fill the GPU: the context is split into ATTENTION_SPLITS page sets
+            # (page i in set i mod ATTENTION_SPLITS), each giving a partial softmax (max, sum, weighted V),
+            # combined in set order, so the split never depends on the context's length or the window's size
+            partials = self.op(p + "attention_partials", "attention", [q, stored],
+                               (rows, hp.n_head, ATTENTION_SPLITS, hp.head_dim_v + 2), **kv_attrs)
+            attn = self.op(p + "attention", "attention_combine", [partials], (rows, hp.n_head * hp.head_dim_v),
+                           flops=rows * hp.n_head * ATTENTION_SPLITS * (hp.head_dim_v + 2))
         out = self.matmul(p + "attn_out", attn, p + "attn_output", rows, hp.n_head * hp.head_dim_v, e)
         x = self.op(p + "attn_residual", "add", [x, out], (rows, e), flops=rows * e, inplace=x)
         ffn_norm = "ffn_norm" if hp.architecture == "qwen3moe" else "post_attention_norm"
@@ -108,11 +118,15 @@ class _Builder:
                       gating="softmax" if hp.architecture == "qwen3moe" else "sigmoid")
         weights = self.op(p + "route_weights", "route_weights", [logits, ids], (rows, k), flops=rows * k * 4,
                           normalize=hp.expert_weights_norm, scale=hp.expert_weights_scale)
-        act = self.op(p + "moe_gate_up", "moe_swiglu_matmul", [h, ids], (rows * k, f), flops=4.0 * rows * k * e * f,
-                      weights=(p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"), expert_layer=layer)
+        # (row, slot) pairs grouped by expert, so each expert's weights are read once for all its rows
+        groups = self.op(p + "moe_groups", "moe_groups", [ids], (moe_groups_length(hp.n_expert, rows * k),),
+                         dtype="i32")
+        act = self.op(p + "moe_gate_up", "moe_swiglu_matmul", [h, groups], (rows * k, f),
+                      flops=4.0 * rows * k * e * f, weights=(p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"),
+                      expert_layer=layer)
         # the weighted sum over a token's k experts is fused into the down projection, in a fixed order
-        moe = self.op(p + "moe_down", "moe_down_matmul", [act, ids, weights], (rows, e), flops=2.0 * rows * k * f * e,
-                      weights=(p + "ffn_down_exps.weight",), expert_layer=layer)
+        moe = self.op(p + "moe_down", "moe_down_matmul", [act, groups, weights], (rows, e),
+                      flops=2.0 * rows * k * f * e, weights=(p + "ffn_down_exps.weight",), expert_layer=layer)
         outputs = [moe]
         if hp.n_expert_shared and f"{p}ffn_up_shexp.weight" in self.bytes:
             outputs += self.dense_ffn(p, h, rows, f * hp.n_expert_shared, "_shexp")
@@ -181,6 +195,13 @@ def build_pass(model, kind: str, tokens: int, kv: KVType, layers=None, with_draf
         hidden = b.graph.nodes["head_norm"]
         hidden["output"] = True      # the drafter's next input
     return b.graph
+
+
+def moe_groups_length(n_expert: int, n_pairs: int) -> int:
+    """int32s of a `moe_groups` buffer: offsets[n_expert + 1] (expert e's pairs are pairs[offsets[e]:offsets[e+1]]),
+    pairs[n_pairs] (pair row * k + slot, ascending within an expert), active[n_expert + 1] (the count of experts
+    with pairs, then those experts ascending)."""
+    return 2 * (n_expert + 1) + n_pairs
 
 
 def representative_layers(hparams: HParams) -> list[int]:
