@@ -4,6 +4,7 @@ is first imported, which is why it lives here."""
 
 import os
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
@@ -16,7 +17,7 @@ def rng(request):
     seed = int.from_bytes(os.urandom(4), "little")
     request.node.user_properties.append(("seed", seed))
     print(f"seed {seed}")
-    return __import__("numpy").random.default_rng(seed)
+    return np.random.default_rng(seed)
 
 
 def pytest_collection_modifyitems(config, items):
