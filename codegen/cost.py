@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
+from codegen.graph import representative_of
 from planner.architecture import tensor_layer
 from planner.profile import GPU
 
@@ -59,8 +60,7 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
     weight_bytes = model.tensor_bytes
     represented = {}            # representative block -> the blocks it stands for
     for block in blocks:
-        kind_rep = 0 if not hp.is_moe_layer(block) else hp.n_leading_dense
-        represented.setdefault(kind_rep, []).append(block)
+        represented.setdefault(representative_of(hp, block), []).append(block)
     cost = PassCost(peak_flops=gpu.fp32_flops, bandwidth=gpu.memory_bandwidth_bytes_per_s)
     for name, node in graph.nodes(data=True):
         if node["op"] == "input":

@@ -74,24 +74,28 @@ class _Builder:
         v = self.matmul(p + "v", h, p + "attn_v", rows, e, v_dim)
         if hp.architecture == "qwen3moe":
             q = self.op(p + "q_norm", "head_rmsnorm", [q], (rows, q_dim), flops=4.0 * rows * q_dim,
-                        weights=(p + "attn_q_norm.weight",))
+                        weights=(p + "attn_q_norm.weight",), inplace=q)
             k = self.op(p + "k_norm", "head_rmsnorm", [k], (rows, k_dim), flops=4.0 * rows * k_dim,
-                        weights=(p + "attn_k_norm.weight",))
-        q = self.op(p + "q_rope", "rope", [q], (rows, q_dim), flops=6.0 * rows * hp.n_head * hp.n_rot // 2)
-        k = self.op(p + "k_rope", "rope", [k], (rows, k_dim), flops=6.0 * rows * hp.n_head_kv * hp.n_rot // 2)
+                        weights=(p + "attn_k_norm.weight",), inplace=k)
+        q = self.op(p + "q_rope", "rope", [q, "positions"], (rows, q_dim),
+                    flops=6.0 * rows * hp.n_head * hp.n_rot // 2, inplace=q)
+        k = self.op(p + "k_rope", "rope", [k, "positions"], (rows, k_dim),
+                    flops=6.0 * rows * hp.n_head_kv * hp.n_rot // 2, inplace=k)
         kv_row_bytes = row_bytes(k_dim, self.kv.k_type) + row_bytes(v_dim, self.kv.v_type)
-        stored = self.op(p + "kv_store", "kv_store", [k, v], (0,), kv_layer=layer, kv_write=rows * kv_row_bytes)
+        stored = self.op(p + "kv_store", "kv_store", [k, v, "positions"], (0,), kv_layer=layer,
+                         kv_write=rows * kv_row_bytes)
         if not compute_ffn:
             return stored
         kv_attrs = dict(flops_per_context_token=4.0 * rows * hp.n_head * hp.head_dim_k, kv_layer=layer,
                         kv_read=kv_row_bytes)
         if self.kind == "prefill":
-            attn = self.op(p + "attention", "attention", [q, stored], (rows, hp.n_head * hp.head_dim_v), **kv_attrs)
+            attn = self.op(p + "attention", "attention", [q, stored, "positions"], (rows, hp.n_head * hp.head_dim_v),
+                           **kv_attrs)
         else:
             # a window's few queries cannot fill the GPU: the context is split into ATTENTION_SPLITS page sets
             # (page i in set i mod ATTENTION_SPLITS), each giving a partial softmax (max, sum, weighted V),
             # combined in set order, so the split never depends on the context's length or the window's size
-            partials = self.op(p + "attention_partials", "attention", [q, stored],
+            partials = self.op(p + "attention_partials", "attention", [q, stored, "positions"],
                                (rows, hp.n_head, ATTENTION_SPLITS, hp.head_dim_v + 2), **kv_attrs)
             attn = self.op(p + "attention", "attention_combine", [partials], (rows, hp.n_head * hp.head_dim_v),
                            flops=rows * hp.n_head * ATTENTION_SPLITS * (hp.head_dim_v + 2))
@@ -173,6 +177,7 @@ def build_pass(model, kind: str, tokens: int, kv: KVType, layers=None, with_draf
     b = _Builder(model, kind, tokens, kv)
     hp = b.hp
     ids = b.op("token_ids", "input", [], (tokens,), dtype="i32")
+    b.op("positions", "input", [], (tokens,), dtype="i32")    # each row's absolute position
     if kind == "draft":
         nextn = hp.n_trunk
         hidden = b.op("hidden_in", "input", [], (tokens, hp.n_embd))
@@ -208,6 +213,13 @@ def representative_layers(hparams: HParams) -> list[int]:
     """One trunk block of each kind (leading dense, MoE): enough to size a pass's arena."""
     layers = [0] if hparams.n_leading_dense else []
     return layers + [hparams.n_leading_dense]
+
+
+def representative_of(hparams: HParams, layer: int) -> int:
+    """The representative of a trunk block's kind (the drafter's block stands for itself)."""
+    if layer >= hparams.n_trunk:
+        return layer
+    return hparams.n_leading_dense if hparams.is_moe_layer(layer) else 0
 
 
 def nodes_in_order(graph: nx.DiGraph) -> list[str]:

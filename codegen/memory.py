@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from codegen.graph import nodes_in_order
+from codegen.graph import nodes_in_order, representative_of
+from planner.architecture import tensor_layer
 
 ARENA_ALIGNMENT_BYTES = 256     # cudaMalloc's alignment: every tensor starts where a kernel may vector-load
 
@@ -35,7 +36,7 @@ def buffer_of(graph: nx.DiGraph, name: str) -> str:
 
 
 def lifetimes(graph: nx.DiGraph) -> dict:
-    """Buffer -> (position where it is first written, last position where it is read); outputs live to the end."""
+    """Buffer -> (position where it is first written, last position where it is read)."""
     order = nodes_in_order(graph)
     position = {name: i for i, name in enumerate(order)}
     end = len(order)
@@ -45,7 +46,8 @@ def lifetimes(graph: nx.DiGraph) -> dict:
         if node["out_bytes"] == 0:
             continue
         readers = [position[s] for s in graph.successors(name)]
-        last = end if node["output"] else max(readers, default=position[name])
+        # inputs (token ids, positions) are read by every block: they live the whole pass, as outputs do
+        last = end if node["output"] or node["op"] == "input" else max(readers, default=position[name])
         buffer = buffer_of(graph, name)
         first, previous_last = spans.get(buffer, (position[name], last))
         spans[buffer] = (first, max(last, previous_last))
@@ -70,6 +72,24 @@ def plan_arena(graph: nx.DiGraph) -> Arena:
         if node["out_bytes"] and name not in offsets:
             offsets[name] = offsets[buffer_of(graph, name)]
     return Arena(size_bytes=size_bytes, offsets=offsets, lifetimes=spans, sizes=sizes)
+
+
+def full_pass_offsets(graph: nx.DiGraph, representative_arena: Arena, hparams) -> dict:
+    """Offsets for a pass over every block, from the arena planned on its representative blocks: each block's
+    tensors take its representative's offsets. Blocks of a kind have the same graph and only the residual stream
+    (one buffer) crosses them, so this is a valid placement, and the arena the planner reserved is exactly the
+    one the runtime uses (a greedy packing of the full graph could differ by a few bytes either way)."""
+    offsets = {}
+    for name, node in graph.nodes(data=True):
+        if not node["out_bytes"]:
+            continue
+        layer = tensor_layer(name)
+        if layer is not None:
+            name_in_arena = name.replace(f"blk.{layer}.", f"blk.{representative_of(hparams, layer)}.", 1)
+        else:
+            name_in_arena = name
+        offsets[name] = representative_arena.offsets[name_in_arena]
+    return offsets
 
 
 def _best_gap(busy: list[tuple[int, int]], size: int) -> int:

@@ -5,7 +5,7 @@ import pytest
 
 from codegen.cost import pass_cost
 from codegen.graph import build_pass, nodes_in_order, representative_layers
-from codegen.memory import ARENA_ALIGNMENT_BYTES, plan_arena
+from codegen.memory import ARENA_ALIGNMENT_BYTES, full_pass_offsets, lifetimes, plan_arena
 from planner.kv import parse_kv_type
 from planner.model import load_model
 from planner.profile import load_profile
@@ -68,13 +68,26 @@ def test_the_residual_stream_is_one_buffer(qwen):
         {arena.offsets["embed"]}
 
 
-@pytest.mark.parametrize("card, tokens", [("glm-4.5-air-q4_k_m", 256), ("qwen3-30b-a3b-q4_k_m", 512)])
-def test_representative_blocks_give_the_full_graphs_arena(card, tokens):
+@pytest.mark.parametrize("card, kind, tokens", [("glm-4.5-air-q4_k_m", "prefill", 256),
+                                                 ("qwen3-30b-a3b-q4_k_m", "prefill", 512),
+                                                 ("glm-4.5-air-q4_k_m", "decode", 5)])
+def test_the_representative_arena_serves_the_full_pass(card, kind, tokens):
+    """The planner sizes the arena on one block of each kind; the runtime places every block's tensors at their
+    representative's offsets: no two tensors alive at once may share bytes, and nothing lies beyond the arena."""
     model = load_model(card)
-    full = plan_arena(build_pass(model, "prefill", tokens, KV, with_drafter=model.has_drafter))
-    rep = plan_arena(build_pass(model, "prefill", tokens, KV, layers=representative_layers(model.hparams),
+    full = build_pass(model, kind, tokens, KV, with_drafter=model.has_drafter)
+    rep = plan_arena(build_pass(model, kind, tokens, KV, layers=representative_layers(model.hparams),
                                 with_drafter=model.has_drafter))
-    assert rep.size_bytes == full.size_bytes
+    offsets = full_pass_offsets(full, rep, model.hparams)
+    spans = lifetimes(full)
+    ranges = sorted((offsets[b], offsets[b] + -(-full.nodes[b]["out_bytes"] // ARENA_ALIGNMENT_BYTES)
+                     * ARENA_ALIGNMENT_BYTES, first, last) for b, (first, last) in spans.items())
+    assert max(end for _, end, _, _ in ranges) <= rep.size_bytes
+    for i, (start_a, end_a, first_a, last_a) in enumerate(ranges):
+        for start_b, end_b, first_b, last_b in ranges[i + 1:]:
+            if start_b >= end_a:
+                break
+            assert not (first_a <= last_b and first_b <= last_a), "two live tensors share bytes"
 
 
 def test_arena_grows_with_the_chunk(qwen):
