@@ -92,6 +92,19 @@ def dequantize(packed: PackedWeight) -> np.ndarray:
     return quants.dequantize(raw, packed.ggml_type).astype(np.float64).reshape(packed.shape)
 
 
+def read_gguf(path, header) -> dict:
+    """Every tensor of a GGUF file, packed: name -> PackedWeight (the file is memory-mapped, read once)."""
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    packed = {}
+    for tensor in header.tensors:
+        start = header.data_offset + tensor.offset
+        if start + tensor.n_bytes > file.size:
+            raise StratumError(f"tensor {tensor.name} runs past the end of the file (a truncated download?)",
+                               source=str(path))
+        packed[tensor.name] = pack(file[start:start + tensor.n_bytes], tensor.ggml_type, tuple(reversed(tensor.shape)))
+    return packed
+
+
 @dataclass(frozen=True)
 class DeviceWeight:
     """A packed weight on the device; what every matmul kernel takes. `scales` is a one-element placeholder
