@@ -1,0 +1,281 @@
+"""Pointwise and routing kernels against runtime.reference: tiny shapes in the CUDA simulator, real shapes on
+a GPU (`NUMBA_ENABLE_CUDASIM=0 pytest -m gpu tests/test_pointwise.py`)."""
+
+import numpy as np
+import pytest
+
+from codegen.lower import pointwise, weights
+from codegen.lower.cuda import cuda
+from runtime import reference
+
+TOLERANCE = 1e-5
+EPS = 1e-6
+
+
+def rel_l2(got, ref) -> float:
+    ref = np.asarray(ref, dtype=np.float64)
+    return float(np.linalg.norm(np.asarray(got, dtype=np.float64) - ref) / np.linalg.norm(ref))
+
+
+def run(launch, *arrays, results=None):
+    """Upload `arrays` (an array passed twice is one device array: an in-place launch), launch on a stream,
+    return the host copies of the arrays at positions `results` (default: the last one)."""
+    stream = cuda.stream()
+    uploaded = {id(a): cuda.to_device(np.ascontiguousarray(a), stream=stream) for a in arrays}
+    device = [uploaded[id(a)] for a in arrays]
+    launch(stream, *device)
+    stream.synchronize()
+    picked = [device[i].copy_to_host() for i in (results or [-1])]
+    return picked[0] if results is None else picked
+
+
+def rows_one_by_one(launch, *arrays, results=None):
+    """The same launch for each row alone (every array's leading dim is rows, except `shared` ones with
+    fewer rows), stacked: must equal the batched launch bitwise."""
+    rows = len(arrays[0])
+    singles = []
+    for r in range(rows):
+        per_row = [a[r:r + 1] if len(a) == rows else a for a in arrays]
+        singles.append(run(launch, *per_row, results=results))
+    return np.concatenate(singles) if results is None else [np.concatenate(p) for p in zip(*singles)]
+
+
+def randn(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+# --- embed -------------------------------------------------------------------------------------------------
+
+def check_embed(rng, ggml_type, n_vocab, n_embd, rows):
+    packed = weights.quantize(randn(rng, n_vocab, n_embd), ggml_type)
+    table = weights.upload(packed)
+    ids = rng.integers(0, n_vocab, rows).astype(np.int32)
+    ids[-1] = n_vocab - 1
+    ids[0] = ids[1]                                        # a repeated token
+    stream = cuda.stream()
+    out = cuda.device_array((rows, n_embd), np.float32)
+    pointwise.make_embed(ggml_type, n_embd)(stream, cuda.to_device(ids), table, out)
+    stream.synchronize()
+    expected = weights.dequantize(packed)[ids].astype(np.float32)
+    np.testing.assert_array_equal(out.copy_to_host(), expected)
+
+
+@pytest.mark.parametrize("ggml_type", weights.KERNEL_TYPES, ids=lambda t: t.name)
+def test_embed_every_type_exact(rng, ggml_type):
+    check_embed(rng, ggml_type, n_vocab=40, n_embd=96, rows=5)
+
+
+# --- RMSNorm -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [64, 600])       # 600: several elements a thread and a partial last step
+def test_rmsnorm(rng, n):
+    x, w = randn(rng, 4, n, scale=3.0), randn(rng, n)
+    launch = pointwise.make_rmsnorm(n, EPS)
+    got = run(launch, x, w, np.empty_like(x))
+    assert rel_l2(got, reference.rmsnorm(x, w, EPS)) < TOLERANCE
+    np.testing.assert_array_equal(run(launch, x, w, x, results=[0])[0], got)        # in place
+    np.testing.assert_array_equal(rows_one_by_one(launch, x, w, np.empty_like(x)), got)
+
+
+def test_head_rmsnorm(rng):
+    n_heads, head_dim = 3, 32
+    x, w = randn(rng, 3, n_heads * head_dim, scale=2.0), randn(rng, head_dim)
+    launch = pointwise.make_head_rmsnorm(n_heads, head_dim, EPS)
+    got = run(launch, x, w, np.empty_like(x))
+    assert rel_l2(got, reference.head_rmsnorm(x, w, n_heads, EPS)) < TOLERANCE
+    # every head is normed on its own: scaling one head leaves the others bitwise unchanged
+    scaled = x.copy()
+    scaled[:, :head_dim] *= 7
+    np.testing.assert_array_equal(run(launch, scaled, w, np.empty_like(x))[:, head_dim:], got[:, head_dim:])
+    np.testing.assert_array_equal(run(launch, x, w, x, results=[0])[0], got)
+    np.testing.assert_array_equal(rows_one_by_one(launch, x, w, np.empty_like(x)), got)
+
+
+# --- RoPE --------------------------------------------------------------------------------------------------
+
+def check_rope(rng, n_heads, head_dim, n_rot, base, positions):
+    x = randn(rng, len(positions), n_heads * head_dim)
+    positions = np.asarray(positions, dtype=np.int32)
+    launch = pointwise.make_rope(n_heads, head_dim, n_rot, base)
+    got = run(launch, x, positions, results=[0])[0]
+    assert rel_l2(got, reference.rope_neox(x, positions, n_heads, n_rot, base)) < TOLERANCE
+    heads, before = got.reshape(len(x), n_heads, head_dim), x.reshape(len(x), n_heads, head_dim)
+    np.testing.assert_array_equal(heads[..., n_rot:], before[..., n_rot:])
+    return launch, x, positions, got
+
+
+@pytest.mark.parametrize("n_rot, base", [(32, 10000.0), (16, 1000000.0)])     # full and partial rotary
+def test_rope(rng, n_rot, base):
+    positions = [0, 1, int(rng.integers(2, 4096)), 29999, int(rng.integers(30000, 32768))]
+    launch, x, positions, got = check_rope(rng, 3, 32, n_rot, base, positions)
+    np.testing.assert_array_equal(rows_one_by_one(launch, x, positions, results=[0])[0], got)
+
+
+def test_rope_rejects_odd_or_oversized_rotation():
+    with pytest.raises(ValueError):
+        pointwise.make_rope(2, 32, 15, 10000.0)
+    with pytest.raises(ValueError):
+        pointwise.make_rope(2, 32, 64, 10000.0)
+
+
+# --- add, concat -------------------------------------------------------------------------------------------
+
+def test_add_one_and_two_addends(rng):
+    x, a, b = randn(rng, 3, 48), randn(rng, 3, 48), randn(rng, 3, 48)
+    one = run(pointwise.make_add(48, 1), x, a, results=[0])[0]
+    np.testing.assert_array_equal(one, x + a)
+    two = run(pointwise.make_add(48, 2), x, a, b, results=[0])[0]
+    np.testing.assert_array_equal(two, (x + a) + b)
+    with pytest.raises(ValueError):
+        pointwise.make_add(48, 3)
+
+
+def test_concat(rng):
+    a, b = randn(rng, 3, 40), randn(rng, 3, 24)
+    got = run(pointwise.make_concat(40, 24), a, b, np.empty((3, 64), np.float32))
+    np.testing.assert_array_equal(got, np.concatenate([a, b], axis=1))
+
+
+# --- router ------------------------------------------------------------------------------------------------
+
+def scores64(logits, gating, bias):
+    logits = logits.astype(np.float64)
+    return logits if gating == "softmax" else 1 / (1 + np.exp(-logits)) + bias
+
+
+def separated_logits(rng, rows, n_expert, k, gating, bias, gap=1e-4):
+    """Random logits whose k + 1 best scores are at least `gap` apart, so float32 rounding cannot change
+    which experts win (ties are tested on their own)."""
+    logits = randn(rng, rows, n_expert, scale=2.0)
+    while True:
+        top = -np.sort(-scores64(logits, gating, bias), axis=1)[:, :k + 1]
+        close = np.any(np.diff(-top, axis=1) < gap, axis=1)
+        if not close.any():
+            return logits
+        logits[close] = randn(rng, int(close.sum()), n_expert, scale=2.0)
+
+
+def router_bias(rng, gating, n_expert):
+    return randn(rng, n_expert, scale=0.1) if gating == "sigmoid" else np.zeros(1, np.float32)
+
+
+def check_topk(logits, bias, k, gating):
+    ids = run(pointwise.make_topk(logits.shape[1], k, gating), logits, bias, np.empty((len(logits), k), np.int32))
+    expected, _ = reference.route(logits, k, gating, bias if gating == "sigmoid" else None)
+    np.testing.assert_array_equal(ids, expected)
+
+
+@pytest.mark.parametrize("gating", pointwise.GATINGS)
+def test_topk(rng, gating):
+    n_expert, k = 64, 8
+    bias = router_bias(rng, gating, n_expert)
+    check_topk(separated_logits(rng, 4, n_expert, k, gating, bias), bias, k, gating)
+
+
+@pytest.mark.parametrize("gating", pointwise.GATINGS)
+def test_topk_ties_go_to_the_lower_index(rng, gating):
+    n_expert, k = 40, 6
+    logits = rng.choice(np.float32([-1.0, -0.5, 0.0, 0.5, 1.0]), size=(4, n_expert)).astype(np.float32)
+    logits[0] = 1.0                                           # every expert tied
+    bias = np.full(n_expert, 0.25, np.float32) if gating == "sigmoid" else np.zeros(1, np.float32)
+    check_topk(logits, bias, k, gating)
+
+
+@pytest.mark.parametrize("gating, normalize, scale", [("softmax", True, 1.0), ("softmax", False, 1.0),
+                                                      ("sigmoid", True, 2.5), ("sigmoid", False, 1.0)])
+def test_route_weights(rng, gating, normalize, scale):
+    n_expert, k = 64, 8
+    bias = router_bias(rng, gating, n_expert)
+    logits = randn(rng, 4, n_expert, scale=2.0)
+    ids, expected = reference.route(logits, k, gating, bias if gating == "sigmoid" else None, normalize, scale)
+    launch = pointwise.make_route_weights(n_expert, k, gating, normalize, scale)
+    got = run(launch, logits, ids, np.empty((4, k), np.float32))
+    assert rel_l2(got, expected) < TOLERANCE
+    np.testing.assert_array_equal(rows_one_by_one(launch, logits, ids, np.empty((4, k), np.float32)), got)
+
+
+def test_router_rejects_unknown_gating():
+    with pytest.raises(ValueError):
+        pointwise.make_topk(64, 8, "relu")
+    with pytest.raises(ValueError):
+        pointwise.make_route_weights(64, 8, "relu", True, 1.0)
+
+
+# --- argmax ------------------------------------------------------------------------------------------------
+
+def tied_argmax_rows(rng, rows, n):
+    """Random rows; in all but the first the maximum is repeated at several places (in different threads
+    and passes), so only the first index is right; one row's first maximum is its last element."""
+    logits = randn(rng, rows, n)
+    for r in range(1, rows):
+        places = rng.choice(n, size=4, replace=False)
+        logits[r, places] = logits[r].max() + 1
+    logits[-1, -1] = logits[-1].max() + 2
+    logits[-1, 0] = logits[-1, -1] - 1
+    return logits
+
+
+@pytest.mark.parametrize("n", [1000, 151])     # several passes with a partial last; one partial pass
+def test_argmax_first_index_of_the_maximum(rng, n):
+    logits = tied_argmax_rows(rng, 5, n)
+    got = run(pointwise.make_argmax(n), logits, np.empty(5, np.int32))
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=1))
+
+
+# --- real shapes, on a GPU ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type", weights.KERNEL_TYPES, ids=lambda t: t.name)
+def test_gpu_embed(rng, ggml_type):
+    check_embed(rng, ggml_type, n_vocab=4096, n_embd=4096, rows=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2048, 4096])
+def test_gpu_rmsnorm(rng, n):
+    x, w = randn(rng, 64, n, scale=3.0), randn(rng, n)
+    launch = pointwise.make_rmsnorm(n, EPS)
+    got = run(launch, x, w, np.empty_like(x))
+    assert rel_l2(got, reference.rmsnorm(x, w, EPS)) < TOLERANCE
+    np.testing.assert_array_equal(rows_one_by_one(launch, x[:8], w, np.empty_like(x[:8])), got[:8])
+    np.testing.assert_array_equal(run(launch, x, w, x, results=[0])[0], got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_heads", [32, 4])
+def test_gpu_head_rmsnorm(rng, n_heads):
+    x, w = randn(rng, 64, n_heads * 128, scale=2.0), randn(rng, 128)
+    launch = pointwise.make_head_rmsnorm(n_heads, 128, EPS)
+    got = run(launch, x, w, np.empty_like(x))
+    assert rel_l2(got, reference.head_rmsnorm(x, w, n_heads, EPS)) < TOLERANCE
+    np.testing.assert_array_equal(rows_one_by_one(launch, x[:8], w, np.empty_like(x[:8])), got[:8])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_heads, n_rot, base", [(32, 128, 1000000.0), (96, 64, 1000000.0), (4, 128, 10000.0)])
+def test_gpu_rope(rng, n_heads, n_rot, base):
+    positions = np.sort(rng.integers(0, 32768, 64))
+    positions[:2] = [0, 30000]
+    launch, x, positions, got = check_rope(rng, n_heads, 128, n_rot, base, positions)
+    np.testing.assert_array_equal(rows_one_by_one(launch, x[:8], positions[:8], results=[0])[0], got[:8])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gating", pointwise.GATINGS)
+def test_gpu_router(rng, gating):
+    n_expert, k, rows = 128, 8, 512
+    bias = router_bias(rng, gating, n_expert)
+    logits = separated_logits(rng, rows, n_expert, k, gating, bias)
+    check_topk(logits, bias, k, gating)
+    ids, expected = reference.route(logits, k, gating, bias if gating == "sigmoid" else None, True, 2.5)
+    got = run(pointwise.make_route_weights(n_expert, k, gating, True, 2.5), logits, ids,
+              np.empty((rows, k), np.float32))
+    assert rel_l2(got, expected) < TOLERANCE
+
+
+@pytest.mark.gpu
+def test_gpu_argmax_vocab(rng):
+    n = 151936
+    logits = tied_argmax_rows(rng, 8, n)
+    got = run(pointwise.make_argmax(n), logits, np.empty(8, np.int32))
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=1))
