@@ -30,8 +30,8 @@ def run(launch, *arrays, results=None):
 
 
 def rows_one_by_one(launch, *arrays, results=None):
-    """The same launch for each row alone (every array's leading dim is rows, except `shared` ones with
-    fewer rows), stacked: must equal the batched launch bitwise."""
+    """The same launch for each row alone (arrays whose length is the row count are cut to that row; the
+    others, weights, go whole), stacked: must equal the batched launch bitwise."""
     rows = len(arrays[0])
     singles = []
     for r in range(rows):
@@ -104,10 +104,12 @@ def check_rope(rng, n_heads, head_dim, n_rot, base, positions):
     return launch, x, positions, got
 
 
-@pytest.mark.parametrize("n_rot, base", [(32, 10000.0), (16, 1000000.0)])     # full and partial rotary
-def test_rope(rng, n_rot, base):
+# full and partial rotary; 3 heads leave a block's last step partial, 4 heads of 64 pairs fill every step
+@pytest.mark.parametrize("n_heads, head_dim, n_rot, base", [(3, 32, 32, 10000.0), (3, 32, 16, 1000000.0),
+                                                            (4, 128, 128, 1000000.0)])
+def test_rope(rng, n_heads, head_dim, n_rot, base):
     positions = [0, 1, int(rng.integers(2, 4096)), 29999, int(rng.integers(30000, 32768))]
-    launch, x, positions, got = check_rope(rng, 3, 32, n_rot, base, positions)
+    launch, x, positions, got = check_rope(rng, n_heads, head_dim, n_rot, base, positions)
     np.testing.assert_array_equal(rows_one_by_one(launch, x, positions, results=[0])[0], got)
 
 
@@ -174,7 +176,7 @@ def test_topk(rng, gating):
 
 @pytest.mark.parametrize("gating", pointwise.GATINGS)
 def test_topk_ties_go_to_the_lower_index(rng, gating):
-    n_expert, k = 40, 6
+    n_expert, k = 50, 6          # 3 groups of 17 threads' slices: the last one partial
     logits = rng.choice(np.float32([-1.0, -0.5, 0.0, 0.5, 1.0]), size=(4, n_expert)).astype(np.float32)
     logits[0] = 1.0                                           # every expert tied
     bias = np.full(n_expert, 0.25, np.float32) if gating == "sigmoid" else np.zeros(1, np.float32)

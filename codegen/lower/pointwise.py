@@ -4,7 +4,8 @@ concat, router top-k and route weights, argmax.
 Every kernel gives each row (or each row's head) its own block, or its own threads for the elementwise ones,
 so a row's result never depends on how many rows the launch holds; the reductions (sum of squares, softmax
 max and sum, argmax) add each thread's elements in index order, then combine the threads through shared
-memory in one fixed tree. Block sizes are powers of two chosen from the constants alone.
+memory in one fixed tree. Block sizes come from the constants alone. Each thread issues its loads before it
+uses them (values held in registers), so a lone row (a decode step) waits for memory once, not per element.
 """
 
 import functools
@@ -14,16 +15,18 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower.cuda import bits_to_f32, cuda
+from codegen.lower.weights import QUANT_BLOCK
 
 WARP = 32
 ELEMENTWISE_THREADS = 256
-EMBED_THREADS = 128
+EMBED_THREADS = 256      # at most, per embedded row
 NORM_THREADS = 256       # at most, per row (or head) of an RMSNorm
-ROPE_THREADS = 128       # at least one head's pairs; more heads per pass when a head has fewer pairs
+ROPE_THREADS = 128       # at least one head's pairs; more heads per step when a head has fewer pairs
 ROUTER_THREADS = 1024    # at most, per router row
+TOPK_MIN_SLICE = 16      # experts a top-k thread compares with, at least (fewer threads for few experts)
 ARGMAX_THREADS = 1024    # at most, per argmax row
-ARGMAX_UNROLL = 16       # independent loads in flight per thread and pass
-ARGMAX_MIN_LOADS = 4     # fewer threads (down to a warp) for short rows: at least this many passes' worth each
+ARGMAX_UNROLL = 16       # independent loads in flight per thread and step
+ARGMAX_MIN_LOADS = 4     # fewer threads (down to a warp) for short rows: at least this many steps' worth each
 
 GATINGS = ("softmax", "sigmoid")
 NEG_INF = np.float32(-np.inf)
@@ -37,12 +40,11 @@ def _threads(count: int, cap: int) -> int:
     return threads
 
 
-def _router_threads(n_expert: int, k: int, gating: str) -> int:
+def _check_router(n_expert: int, k: int, gating: str) -> None:
     if gating not in GATINGS:
         raise ValueError(f"unknown gating {gating!r}; expected one of {GATINGS}")
     if not 0 < k <= n_expert:
         raise ValueError(f"top {k} of {n_expert} experts")
-    return _threads(n_expert, ROUTER_THREADS)
 
 
 def _per_row(kernel, threads: int, blocks_per_row: int = 1):
@@ -98,14 +100,24 @@ def _sigmoid(x):
 
 
 @cuda.jit(device=True, inline=True)
-def _float_value(stored):
-    return np.float32(stored)
+def _load_float(data, scales, token, item, words_per_block):
+    return np.float32(data[token, item]), np.float32(1)
 
 
 @cuda.jit(device=True, inline=True)
-def _bf16_value(stored):
-    signed = (np.int32(stored) ^ np.int32(0x8000)) - np.int32(0x8000)     # the high half, as a signed int16
-    return bits_to_f32(np.int32(signed * np.int32(0x10000)))
+def _load_bf16(data, scales, token, item, words_per_block):
+    signed = (np.int32(data[token, item]) ^ np.int32(0x8000)) - np.int32(0x8000)   # the high half, signed
+    return bits_to_f32(np.int32(signed * np.int32(0x10000))), np.float32(1)
+
+
+@cuda.jit(device=True, inline=True)
+def _load_word(data, scales, token, item, words_per_block):
+    return data[token, item], np.float32(scales[token, item // words_per_block])
+
+
+@cuda.jit(device=True, inline=True)
+def _write_value(out, row, item, value, scale):
+    out[row, item] = value
 
 
 @cuda.jit(device=True, inline=True)
@@ -114,7 +126,7 @@ def _byte(word, i):
 
 
 @cuda.jit(device=True, inline=True)
-def _q8_0_word(out, row, w, word, scale):
+def _write_q8_0(out, row, w, word, scale):
     """Word w of a Q8_0 row: elements 4w..4w+3, signed bytes."""
     for i in range(4):
         byte = _byte(word, i)
@@ -122,7 +134,7 @@ def _q8_0_word(out, row, w, word, scale):
 
 
 @cuda.jit(device=True, inline=True)
-def _q4_0_word(out, row, w, word, scale):
+def _write_q4_0(out, row, w, word, scale):
     """Word w of a Q4_0 row: bytes 4(w % 4)..+3 of block w // 4; byte j holds element j (low nibble) and
     j + 16 (high), stored value + 8."""
     first = (w // 4) * 32 + (w % 4) * 4
@@ -132,44 +144,52 @@ def _q4_0_word(out, row, w, word, scale):
         out[row, first + 16 + i] = scale * np.float32((byte >> 4) - 8)
 
 
-_QUANT_WORDS = {T.Q8_0: (8, _q8_0_word), T.Q4_0: (4, _q4_0_word)}     # 32-bit words per block, their writer
+# per type: elements per item a thread loads (a value, or a 32-bit word of quants), what it holds, its loader
+# and writer
+_EMBED_ITEMS = {
+    T.F32: (1, np.float32, _load_float, _write_value),
+    T.F16: (1, np.float32, _load_float, _write_value),
+    T.BF16: (1, np.float32, _load_bf16, _write_value),
+    T.Q8_0: (4, np.int32, _load_word, _write_q8_0),
+    T.Q4_0: (8, np.int32, _load_word, _write_q4_0),
+}
 
 
 @functools.cache
 def make_embed(ggml_type, n_embd: int):
     """launch(stream, ids, table, out): out[r] = the dequantized row ids[r] of `table` (a DeviceWeight of
     F32/F16/BF16/Q8_0/Q4_0, (n_vocab, n_embd)), exactly `weights.dequantize`'s values (all exact in float32).
-    Quants are read as 32-bit words, one word a thread per step."""
+    Quants are read as 32-bit words. Each thread issues all its loads before its first store."""
     ggml_type = T(ggml_type)
-    threads = EMBED_THREADS
-    if ggml_type in (T.F32, T.F16, T.BF16):
-        value = _bf16_value if ggml_type == T.BF16 else _float_value
-
-        @cuda.jit
-        def float_kernel(ids, table, out):
-            row = cuda.blockIdx.x
-            token = ids[row]
-            for j in range(cuda.threadIdx.x, n_embd, threads):
-                out[row, j] = value(table[token, j])
-
-        def launch(stream, ids, table, out):
-            float_kernel[ids.shape[0], threads, stream](ids, table.data, out)
-        return launch
-
-    if ggml_type not in _QUANT_WORDS:
+    if ggml_type not in _EMBED_ITEMS:
         raise ValueError(f"no embedding kernel for {ggml_type.name}")
-    words_per_block, write_word = _QUANT_WORDS[ggml_type]
-    words_per_row = n_embd // 32 * words_per_block
+    per_item, held_type, load, write = _EMBED_ITEMS[ggml_type]
+    quantized = per_item > 1
+    items = n_embd // per_item
+    words_per_block = QUANT_BLOCK // per_item
+    threads = _threads(items, EMBED_THREADS)
+    steps = -(-items // threads)
+    whole = items % threads == 0
 
     @cuda.jit
-    def quant_kernel(ids, words, scales, out):
+    def kernel(ids, data, scales, out):
         row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
         token = ids[row]
-        for w in range(cuda.threadIdx.x, words_per_row, threads):
-            write_word(out, row, w, words[token, w], np.float32(scales[token, w // words_per_block]))
+        held = cuda.local.array(steps, held_type)
+        scale = cuda.local.array(steps, np.float32)
+        for u in range(steps):
+            item = tid + u * threads
+            if whole or item < items:
+                held[u], scale[u] = load(data, scales, token, item, words_per_block)
+        for u in range(steps):
+            item = tid + u * threads
+            if whole or item < items:
+                write(out, row, item, held[u], scale[u])
 
     def launch(stream, ids, table, out):
-        quant_kernel[ids.shape[0], threads, stream](ids, table.data.view(np.int32), table.scales, out)
+        data = table.data.view(np.int32) if quantized else table.data
+        kernel[ids.shape[0], threads, stream](ids, data, table.scales, out)
     return launch
 
 
@@ -179,9 +199,11 @@ def make_embed(ggml_type, n_embd: int):
 
 @functools.cache
 def _make_norm(n_segments: int, length: int, eps: float):
-    """RMSNorm of each of a row's `n_segments` runs of `length` values, one block per run."""
+    """RMSNorm of each of a row's `n_segments` runs of `length` values, one block per run; each thread loads
+    its values and weights first, sums its squares in index order, then the block's tree adds the threads'."""
     threads = _threads(length, NORM_THREADS)
-    per_thread = -(-length // threads)
+    steps = -(-length // threads)
+    whole = length % threads == 0
     eps32, length32 = np.float32(eps), np.float32(length)
 
     @cuda.jit
@@ -191,19 +213,22 @@ def _make_norm(n_segments: int, length: int, eps: float):
         first = (block % n_segments) * length
         tid = cuda.threadIdx.x
         partial = cuda.shared.array(threads, np.float32)
-        values = cuda.local.array(per_thread, np.float32)
-        total = np.float32(0)
-        for u in range(per_thread):
+        values = cuda.local.array(steps, np.float32)
+        weights = cuda.local.array(steps, np.float32)
+        for u in range(steps):
             j = tid + u * threads
-            v = x[row, first + j] if j < length else np.float32(0)
-            values[u] = v
-            total += v * v
+            values[u], weights[u] = np.float32(0), np.float32(0)
+            if whole or j < length:
+                values[u], weights[u] = x[row, first + j], weight[j]
+        total = np.float32(0)
+        for u in range(steps):
+            total += values[u] * values[u]
         partial[tid] = total
         scale = np.float32(1) / np.float32(math.sqrt(_sum_tree(partial, tid, threads) / length32 + eps32))
-        for u in range(per_thread):
+        for u in range(steps):
             j = tid + u * threads
-            if j < length:
-                out[row, first + j] = values[u] * scale * weight[j]
+            if whole or j < length:
+                out[row, first + j] = values[u] * scale * weights[u]
 
     return _per_row(kernel, threads, n_segments)
 
@@ -232,21 +257,30 @@ def make_rope(n_heads: int, head_dim: int, n_rot: int, base: float):
         raise ValueError(f"n_rot {n_rot} must be even and within the head ({head_dim})")
     half = n_rot // 2
     inv_freq = base ** (-2.0 * np.arange(half) / n_rot)      # float64, as the reference computes it
-    heads_per_pass = max(1, ROPE_THREADS // half)
-    threads = half * heads_per_pass
+    heads_per_step = max(1, ROPE_THREADS // half)
+    threads = half * heads_per_step
+    steps = -(-n_heads // heads_per_step)
+    whole = n_heads % heads_per_step == 0
 
     @cuda.jit
     def kernel(x, positions):
+        # thread: pair i of heads tid // half + heads_per_step * u; all its pairs are loaded before any store
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         i = tid % half
+        low = cuda.local.array(steps, np.float32)
+        high = cuda.local.array(steps, np.float32)
+        for u in range(steps):
+            a = (tid // half + u * heads_per_step) * head_dim + i
+            if whole or a < n_heads * head_dim:
+                low[u], high[u] = x[row, a], x[row, a + half]
         theta = np.float64(positions[row]) * cuda.const.array_like(inv_freq)[i]
         cos, sin = np.float32(math.cos(theta)), np.float32(math.sin(theta))
-        for head in range(tid // half, n_heads, heads_per_pass):
-            a = head * head_dim + i
-            x0, x1 = x[row, a], x[row, a + half]
-            x[row, a] = x0 * cos - x1 * sin
-            x[row, a + half] = x0 * sin + x1 * cos
+        for u in range(steps):
+            a = (tid // half + u * heads_per_step) * head_dim + i
+            if whole or a < n_heads * head_dim:
+                x[row, a] = low[u] * cos - high[u] * sin
+                x[row, a + half] = low[u] * sin + high[u] * cos
 
     return _per_row(kernel, threads)
 
@@ -316,29 +350,46 @@ def _biased_sigmoid_score(logit, bias, expert):
 def make_topk(n_expert: int, k: int, gating: str):
     """launch(stream, logits, bias, ids): ids (rows, k) int32, the k best experts of each row best first,
     ties to the lower index; selected on the logits (softmax) or on sigmoid(logit) + bias[e] (sigmoid; bias
-    (n_expert,), a 1-element placeholder for softmax). Each expert's rank is the number of experts that beat
-    it, so the order is exact and independent of the block's shape."""
-    threads = _router_threads(n_expert, k, gating)
+    (n_expert,), a 1-element placeholder for softmax). An expert's rank is the number of experts that beat
+    it, so the order is exact whatever the block's shape; `parts` groups of threads each count the winners
+    among a slice of the experts (a warp reads one score at a time: a broadcast), then the counts are added."""
+    _check_router(n_expert, k, gating)
     score = _logit_score if gating == "softmax" else _biased_sigmoid_score
+    lanes = min(n_expert, ROUTER_THREADS)
+    parts = max(1, min(ROUTER_THREADS // n_expert, n_expert // TOPK_MIN_SLICE))
+    slice_len = -(-n_expert // parts)
+    whole = slice_len * parts == n_expert
 
     @cuda.jit
     def kernel(logits, bias, ids):
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
+        lane, part = tid % lanes, tid // lanes
         scores = cuda.shared.array(n_expert, np.float32)
-        for e in range(tid, n_expert, threads):
-            scores[e] = score(logits[row, e], bias, e)
+        beaten_by = cuda.shared.array((parts, n_expert), np.int32)
+        if part == 0:
+            for e in range(lane, n_expert, lanes):
+                scores[e] = score(logits[row, e], bias, e)
         cuda.syncthreads()
-        for e in range(tid, n_expert, threads):
+        for e in range(lane, n_expert, lanes):
             mine = scores[e]
-            rank = 0
-            for other in range(n_expert):
-                if _better(scores[other], other, mine, e):
-                    rank += 1
-            if rank < k:
-                ids[row, rank] = e
+            count = 0
+            for o in range(slice_len):
+                other = part * slice_len + o
+                if whole or other < n_expert:
+                    theirs = scores[other]      # _better, without branches
+                    count += (theirs > mine) | ((theirs == mine) & (other < e))
+            beaten_by[part, e] = count
+        cuda.syncthreads()
+        if part == 0:
+            for e in range(lane, n_expert, lanes):
+                rank = 0
+                for p in range(parts):
+                    rank += beaten_by[p, e]
+                if rank < k:
+                    ids[row, rank] = e
 
-    return _per_row(kernel, threads)
+    return _per_row(kernel, lanes * parts)
 
 
 @functools.cache
@@ -346,7 +397,8 @@ def make_route_weights(n_expert: int, k: int, gating: str, normalize: bool, scal
     """launch(stream, logits, ids, weights): weights (rows, k) of the chosen experts ids (rows, k): their
     softmax probabilities over all n_expert logits (softmax) or unbiased sigmoids (sigmoid); divided by their
     sum (in slot order) when `normalize`; times `scale`."""
-    threads = _router_threads(n_expert, k, gating)
+    _check_router(n_expert, k, gating)
+    threads = _threads(n_expert, ROUTER_THREADS)
     softmax = gating == "softmax"
     scale32 = np.float32(scale)
 
@@ -395,14 +447,28 @@ def make_route_weights(n_expert: int, k: int, gating: str, normalize: bool, scal
 # argmax
 
 
+@cuda.jit(device=True, inline=True)
+def _argmax_step(logits, row, first, threads, n, checked, loaded, best, best_index):
+    """A thread's next ARGMAX_UNROLL elements, first + u * threads: all loaded, then compared in index order
+    (so `>` keeps the first of equal values). The index is cast unsigned: no negative-index wraparound."""
+    for u in range(ARGMAX_UNROLL):
+        j = first + u * threads
+        loaded[u] = logits[row, np.uint64(j)] if not checked or j < n else NEG_INF
+    for u in range(ARGMAX_UNROLL):
+        if loaded[u] > best:
+            best, best_index = loaded[u], np.int32(first + u * threads)
+    return best, best_index
+
+
 @functools.cache
 def make_argmax(n: int):
     """launch(stream, logits, ids): ids (rows,) int32, the first index of each row's maximum. One block per
-    row; each thread keeps ARGMAX_UNROLL coalesced loads in flight per pass, then a fixed tree picks the best
-    (value, lowest index)."""
+    row; each thread keeps ARGMAX_UNROLL coalesced loads in flight per step (bounds checked only in a last,
+    partial step), then a fixed tree picks the best (value, lowest index)."""
     threads = _threads(-(-n // (ARGMAX_UNROLL * ARGMAX_MIN_LOADS)), ARGMAX_THREADS)
     span = threads * ARGMAX_UNROLL
-    passes = -(-n // span)
+    whole_steps = n // span
+    partial = whole_steps * span < n
 
     @cuda.jit
     def kernel(logits, ids):
@@ -411,15 +477,14 @@ def make_argmax(n: int):
         values = cuda.shared.array(threads, np.float32)
         indices = cuda.shared.array(threads, np.int32)
         loaded = cuda.local.array(ARGMAX_UNROLL, np.float32)
-        best, best_index = NEG_INF, n
-        for p in range(passes):
-            for u in range(ARGMAX_UNROLL):
-                j = p * span + u * threads + tid
-                loaded[u] = logits[row, j] if j < n else NEG_INF
-            for u in range(ARGMAX_UNROLL):
-                j = p * span + u * threads + tid
-                if _better(loaded[u], j, best, best_index):
-                    best, best_index = loaded[u], j
+        # a row of -inf still gets a real index: a thread's first element (threads past n lose the ties)
+        best, best_index = NEG_INF, np.int32(tid)
+        for step in range(whole_steps):
+            best, best_index = _argmax_step(logits, row, step * span + tid, threads, n, False, loaded, best,
+                                            best_index)
+        if partial:
+            best, best_index = _argmax_step(logits, row, whole_steps * span + tid, threads, n, True, loaded,
+                                            best, best_index)
         values[tid], indices[tid] = best, best_index
         _best_tree(values, indices, tid, threads)
         if tid == 0:
