@@ -1,0 +1,321 @@
+"""Random MoE models shaped like real ones: tiny GGUF files for tests, real-shape packed weights for benchmarks.
+
+    write_model(path, "glm4moe", seed=1, types={"experts": "q8_0", "dense": "f16"})   # a valid GGUF, ~100 KB
+    for name, packed in realistic_weights("qwen3-30b-a3b-q8_0", seed=1):             # one tensor at a time
+        ...upload(packed)...
+
+Every tensor's name and shape come from the planner's layout (`planner.architecture.tensor_layout`); each draws
+its values from its own random stream (the seed and its name), so a model's values do not depend on the types
+it is stored in, nor on which other tensors are generated. Values keep activations O(1) through the layers:
+matrices normal(0, 1/sqrt(fan_in)), norms near 1, embeddings of unit RMS plus one massive dimension (below).
+
+Expert popularity is skewed like a trained model's, by `skew`: each MoE block ranks its experts by its own
+permutation of normal quantiles (the popularity profile), scaled so that `skew=1` gives the top quarter of the
+experts about half the routed slots (calibrated for the model's expert count and top-k on idealised router
+logits, independent normals); 0 leaves no designed preference; more is steeper. glm4moe gets it through
+`exp_probs_b`, which biases selection only. qwen3moe has no bias tensor: its routers read one hidden dimension
+that carries a large constant (as trained models' "massive activations" do): the embeddings set it, and no
+attention or FFN matrix reads or writes it, so every normed hidden state carries it and each router row's
+weight there is a per-expert offset of the router logits (scaled by the expected growth of the residual
+stream with depth, so deep blocks are skewed like shallow ones). The random part of every router row skips
+that dimension, so `skew=0` leaves no designed preference in either architecture.
+"""
+
+import functools
+import math
+import zlib
+from pathlib import Path
+from statistics import NormalDist
+
+import numpy as np
+from gguf import GGUFWriter
+from gguf.constants import GGMLQuantizationType as T
+
+from codegen.lower.weights import QUANT_BLOCK, PackedWeight, quantize, unpack
+from codegen.lower.weights import _check as _check_kernel_type     # the types and row lengths kernels read
+from planner.architecture import (EXPERT_ROLES, SUPPORTED_ARCHITECTURES, HParams, hparams_from_metadata,
+                                  tensor_layer, tensor_layout, tensor_role)
+from planner.errors import StratumError
+from planner.model import load_model
+
+# shape keyword -> (metadata key without the '<arch>.' prefix, GGUF value kind)
+_SHAPE_KEYS = {
+    "n_embd": ("embedding_length", "u32"),
+    "n_head": ("attention.head_count", "u32"),
+    "n_head_kv": ("attention.head_count_kv", "u32"),
+    "head_dim": (("attention.key_length", "attention.value_length"), "u32"),
+    "n_rot": ("rope.dimension_count", "u32"),
+    "n_ff": ("feed_forward_length", "u32"),
+    "n_ff_exp": ("expert_feed_forward_length", "u32"),
+    "n_expert": ("expert_count", "u32"),
+    "n_expert_used": ("expert_used_count", "u32"),
+    "n_expert_shared": ("expert_shared_count", "u32"),
+    "n_leading_dense": ("leading_dense_block_count", "u32"),
+    "n_vocab": ("vocab_size", "u32"),
+    "n_ctx_train": ("context_length", "u32"),
+    "rms_eps": ("attention.layer_norm_rms_epsilon", "f32"),
+    "rope_base": ("rope.freq_base", "f32"),
+    "expert_weights_scale": ("expert_weights_scale", "f32"),
+    "expert_weights_norm": ("expert_weights_norm", "bool"),
+}
+# n_trunk: blocks before the NextN blocks (block_count = n_trunk + nextn). head_dim 32: quant blocks fit a head,
+# so K/V may be quantized; glm4moe rotates half of each head, as GLM-4.5 does.
+_DEFAULT_SHAPES = {
+    "qwen3moe": dict(n_trunk=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_rot=32, n_ff=96, n_ff_exp=32,
+                     n_expert=8, n_expert_used=2, n_vocab=128, n_ctx_train=4096, rms_eps=1e-6, rope_base=10000.0),
+    "glm4moe": dict(n_trunk=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_rot=16, n_ff=96, n_ff_exp=32,
+                    n_expert=8, n_expert_used=2, n_expert_shared=1, n_leading_dense=1, n_vocab=128,
+                    n_ctx_train=4096, rms_eps=1e-5, rope_base=10000.0, expert_weights_scale=2.5,
+                    expert_weights_norm=True),
+}
+_DEFAULT_NEXTN = {"qwen3moe": 0, "glm4moe": 1}
+_GATING_SIGMOID = 2         # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID, what converted GLM files carry
+_TYPE_GROUPS = ("experts", "dense", "default")
+_F32_ROLES = {"ffn_gate_inp"}   # the router stays F32 unless a type names its role, as llama.cpp leaves it
+
+_STRUCTURE_STREAM = 0x5EED      # the random stream of the massive dimension and the popularity profiles
+MASSIVE = 1.0           # the massive dimension's value in the embeddings, in units of sqrt(n_embd)
+NORM_JITTER = 0.05      # norm weights: 1 + normal(0, NORM_JITTER)
+BIAS_STD = 0.2          # q and k biases
+V_BIAS_STD = 0.02       # v biases stay small: a constant in V is a constant in every attention output, which the
+                        # routers would read as a preference
+RESIDUAL_GROWTH = 0.2   # mean square each block adds to the residual stream per dimension (the tiny models' figure)
+TOP_QUARTER_SHARE = 0.5     # the top quarter of the experts' share of the routed slots at skew 1
+# matrices that read the residual stream (their input dims) and that write it (their output dims)
+_READERS = {"attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up", "ffn_gate_shexp", "ffn_up_shexp", "ffn_gate_exps",
+            "ffn_up_exps", "nextn.eh_proj"}
+_WRITERS = {"attn_output", "ffn_down", "ffn_down_shexp", "ffn_down_exps", "nextn.eh_proj"}
+
+
+def write_model(path, architecture: str, *, seed: int, types: dict | None = None, skew: float = 1.0,
+                nextn: int | None = None, **shape) -> Path:
+    """Write a complete GGUF of `architecture` with random weights; returns its path.
+
+    shape: any of n_trunk, n_embd, n_head, n_head_kv, head_dim, n_rot, n_ff, n_ff_exp, n_expert, n_expert_used,
+    n_expert_shared, n_leading_dense, n_vocab, n_ctx_train, rms_eps, rope_base, expert_weights_scale,
+    expert_weights_norm (defaults: a tiny model, `_DEFAULT_SHAPES`). nextn: NextN blocks (glm4moe 1, qwen3moe 0).
+    types: tensor type per role (`attn_q`, `ffn_down_exps`, ...) or group (`experts`: the routed experts,
+    `dense`: every other matrix, `default`), as f32, f16, bf16, q8_0 or q4_0; F32 otherwise. Norms, biases and
+    the router stay F32 unless their own role is named.
+    """
+    metadata, hp = _describe(architecture, nextn, shape)
+    structure = _Structure(hp, seed, skew)
+    shapes = [(name, tuple(reversed(gguf_shape))) for name, gguf_shape in tensor_layout(hp)]
+    resolve = _type_resolver(types, {tensor_role(name) for name, _ in shapes})
+    tensor_types = [resolve(name, shape, T.F32) for name, shape in shapes]     # refused before a file exists
+    path = Path(path)
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_name(f"stratum synthetic {architecture}")
+    for key, (kind, value) in metadata.items():
+        {"u32": writer.add_uint32, "f32": writer.add_float32, "bool": writer.add_bool}[kind](key, value)
+    for (name, shape), ggml_type in zip(shapes, tensor_types):
+        packed = quantize(structure.values(name, shape), ggml_type)
+        writer.add_tensor(name, unpack(packed).reshape(*shape[:-1], -1), raw_dtype=ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def random_packed(shape, ggml_type, rng: np.random.Generator, std: float | None = None) -> PackedWeight:
+    """Random weights of numpy `shape` (..., n_out, n_in) generated directly in the packed layout (no quantize
+    pass: fast for GBs). Values have standard deviation `std` (default 1/sqrt(n_in)): F32/F16/BF16 normal;
+    Q8_0 quants uniform in [-127, 127], Q4_0 nibbles uniform, with float16 block scales around that size."""
+    ggml_type, shape = T(ggml_type), tuple(int(d) for d in shape)
+    _check_kernel_type(ggml_type, shape)
+    std = 1.0 / math.sqrt(shape[-1]) if std is None else std
+    if ggml_type in (T.F32, T.F16, T.BF16):
+        values = rng.standard_normal(shape, dtype=np.float32)
+        values *= np.float32(std)
+        if ggml_type == T.F32:
+            return PackedWeight(ggml_type, shape, values, None)
+        if ggml_type == T.F16:
+            return PackedWeight(ggml_type, shape, values.astype(np.float16), None)
+        return PackedWeight(ggml_type, shape, (values.view(np.uint32) >> 16).astype(np.uint16), None)
+    n_quants = math.prod(shape) if ggml_type == T.Q8_0 else math.prod(shape) // 2
+    data = np.frombuffer(rng.bytes(n_quants), dtype=np.uint8 if ggml_type == T.Q4_0 else np.int8).copy()
+    if ggml_type == T.Q8_0:
+        np.maximum(data, -127, out=data)   # ggml's Q8_0 never stores -128
+        data, quant_std = data.reshape(shape), 127.0 / math.sqrt(3.0)
+    else:
+        data, quant_std = data.reshape(*shape[:-1], shape[-1] // 2), math.sqrt((16 * 16 - 1) / 12.0)
+    scales = rng.uniform(0.75, 1.25, (*shape[:-1], shape[-1] // QUANT_BLOCK)) * (std / quant_std)
+    return PackedWeight(ggml_type, shape, data, scales.astype(np.float16))
+
+
+def realistic_weights(card, seed: int, skew: float = 1.0, types: dict | None = None):
+    """Yield (name, PackedWeight) for every tensor of a model card (a bundled card's name, a card file or a GGUF
+    header), one at a time, in the card's types unless `types` names others (as in `write_model`). Norms,
+    biases, routers and embeddings carry the same structure as `write_model`'s; other matrices come from
+    `random_packed`. Nothing is written to disk."""
+    model = load_model(card)
+    hp = model.hparams
+    structure = _Structure(hp, seed, skew)
+    resolve = _type_resolver(types, {tensor_role(t.name) for t in model.tensors})
+    for tensor in model.tensors:
+        numpy_shape = tuple(reversed(tensor.shape))
+        ggml_type = resolve(tensor.name, numpy_shape, tensor.ggml_type)
+        if structure.is_structured(tensor.name):
+            yield tensor.name, quantize(structure.values(tensor.name, numpy_shape), ggml_type)
+        else:
+            packed = random_packed(numpy_shape, ggml_type, _tensor_rng(seed, tensor.name))
+            yield tensor.name, structure.reserve(tensor.name, packed)
+
+
+def _describe(architecture: str, nextn: int | None, shape: dict) -> tuple[dict, HParams]:
+    """The GGUF metadata (full key -> (kind, value)), tokenizer-free, and the hyperparameters the planner reads
+    from it (its checks refuse an inconsistent shape)."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise StratumError(f"unknown architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    unknown = sorted(set(shape) - set(_SHAPE_KEYS) - {"n_trunk"})
+    if unknown:
+        raise TypeError(f"unknown shape keyword {unknown[0]!r}; known: n_trunk, {', '.join(_SHAPE_KEYS)}")
+    shape = {**_DEFAULT_SHAPES[architecture], **shape}
+    nextn = _DEFAULT_NEXTN[architecture] if nextn is None else nextn
+    if architecture == "qwen3moe" and nextn:
+        raise StratumError("qwen3moe has no NextN blocks; nextn must be 0")
+    prefix = architecture + "."
+    metadata = {prefix + "block_count": ("u32", shape.pop("n_trunk") + nextn)}
+    for field, value in shape.items():
+        keys, kind = _SHAPE_KEYS[field]
+        for key in (keys,) if isinstance(keys, str) else keys:
+            metadata[prefix + key] = (kind, value)
+    if architecture == "glm4moe":
+        metadata[prefix + "nextn_predict_layers"] = ("u32", nextn)
+        metadata[prefix + "expert_gating_func"] = ("u32", _GATING_SIGMOID)
+    values = {key: value for key, (_, value) in metadata.items()}
+    hp = hparams_from_metadata({**values, "general.architecture": architecture}, f"synthetic {architecture}")
+    return metadata, hp
+
+
+def _type_resolver(types: dict | None, roles: set):
+    """(name, numpy shape, fallback type) -> the type a tensor is stored in."""
+    types = dict(types or {})
+    unknown = sorted(set(types) - roles - set(_TYPE_GROUPS))
+    if unknown:
+        raise StratumError(f"unknown tensor role or group {unknown[0]!r}; groups: {', '.join(_TYPE_GROUPS)}; "
+                           f"roles: {', '.join(sorted(roles))}", field="types")
+    parsed = {}
+    for key, text in types.items():
+        try:
+            parsed[key] = T[str(text).upper()]
+        except KeyError:
+            raise StratumError(f"unknown GGML type {text!r}; e.g. f32, f16, bf16, q8_0, q4_0",
+                               field=f"types.{key}") from None
+
+    def resolve(name: str, shape: tuple, fallback: T) -> T:
+        role = tensor_role(name)
+        if role in parsed:
+            ggml_type = parsed[role]
+        elif len(shape) == 1 or role in _F32_ROLES:
+            ggml_type = T.F32
+        else:
+            group = "experts" if role in EXPERT_ROLES else "dense"
+            ggml_type = parsed.get(group, parsed.get("default", fallback))
+        _check_kernel_type(ggml_type, shape)
+        return ggml_type
+    return resolve
+
+
+def _tensor_rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+class _Structure:
+    """What makes random weights route like a trained model's: the massive dimension and each MoE block's
+    popularity profile, drawn from their own stream of the seed."""
+
+    def __init__(self, hp: HParams, seed: int, skew: float):
+        self.hp, self.seed = hp, seed
+        rng = np.random.default_rng([seed, _STRUCTURE_STREAM])
+        self.massive_dim = int(rng.integers(hp.n_embd))
+        profile = _normal_quantiles(hp.n_expert)
+        popularity = np.stack([rng.permutation(profile) for _ in range(hp.n_layer)])
+        gating = "softmax" if hp.architecture == "qwen3moe" else "sigmoid"
+        self.offsets = float(skew) * _offset_scale(hp.n_expert, hp.n_expert_used, gating) * popularity
+
+    @staticmethod
+    def is_structured(name: str) -> bool:
+        role = tensor_role(name)
+        return (role in ("token_embd", "nextn.embed_tokens", "ffn_gate_inp") or role.endswith("norm")
+                or role.endswith(".bias"))
+
+    def values(self, name: str, shape: tuple) -> np.ndarray:
+        """float32 values of tensor `name`, numpy `shape`."""
+        hp, role, layer = self.hp, tensor_role(name), tensor_layer(name)
+        noise = _tensor_rng(self.seed, name).standard_normal(shape, dtype=np.float32)
+        if role in ("token_embd", "nextn.embed_tokens"):
+            noise[..., self.massive_dim] = MASSIVE * math.sqrt(hp.n_embd)
+            return noise
+        if role == "exp_probs_b.bias":
+            return self.offsets[layer].astype(np.float32)
+        if role.endswith(".bias"):
+            return noise * np.float32(V_BIAS_STD if role == "attn_v.bias" else BIAS_STD)
+        if role.endswith("norm"):
+            return 1 + noise * np.float32(NORM_JITTER)
+        if role == "ffn_gate_inp":
+            return self._router(noise, layer)
+        matrix = PackedWeight(T.F32, shape, noise * np.float32(1.0 / math.sqrt(shape[-1])), None)
+        return self.reserve(name, matrix).data
+
+    def reserve(self, name: str, packed: PackedWeight) -> PackedWeight:
+        """Zero, in place, what a matrix would read from or write to the massive dimension."""
+        role, dim = tensor_role(name), self.massive_dim
+        if role in _READERS:
+            for column in (dim, dim + self.hp.n_embd) if role == "nextn.eh_proj" else (dim,):
+                _zero_input(packed, column)
+        if role in _WRITERS:
+            packed.data[..., dim, :] = 0x88 if packed.ggml_type == T.Q4_0 else 0     # Q4_0 stores value + 8
+        return packed
+
+    def _router(self, noise: np.ndarray, layer: int) -> np.ndarray:
+        """Unit rows (router logits of about unit spread) that skip the massive dimension; qwen3moe's read it
+        with its per-expert offsets."""
+        hp, dim = self.hp, self.massive_dim
+        mean_square = 1 + MASSIVE ** 2 + RESIDUAL_GROWTH * layer        # of the residual stream at this block
+        rows = noise.astype(np.float64)
+        rows[:, dim] = 0
+        # the massive dimension takes MASSIVE**2 / mean_square of a normed hidden state's square
+        rows *= math.sqrt(mean_square / (mean_square - MASSIVE ** 2)) / np.linalg.norm(rows, axis=1, keepdims=True)
+        if hp.architecture == "qwen3moe":
+            norm_weight = self.values(f"blk.{layer}.ffn_norm.weight", (hp.n_embd,))[dim]
+            rows[:, dim] = self.offsets[layer] / (norm_weight * MASSIVE * math.sqrt(hp.n_embd / mean_square))
+        return rows.astype(np.float32)
+
+
+def _zero_input(packed: PackedWeight, column: int) -> None:
+    if packed.ggml_type != T.Q4_0:
+        packed.data[..., column] = 0
+        return
+    block, within = divmod(column, QUANT_BLOCK)          # byte j of a block: element j low, j + 16 high nibble
+    byte = block * (QUANT_BLOCK // 2) + within % (QUANT_BLOCK // 2)
+    keep, zero = (0xF0, 0x08) if within < QUANT_BLOCK // 2 else (0x0F, 0x80)
+    packed.data[..., byte] = (packed.data[..., byte] & keep) | zero
+
+
+def _normal_quantiles(n: int) -> np.ndarray:
+    return np.array([NormalDist().inv_cdf((j + 0.5) / n) for j in range(n)])
+
+
+@functools.cache
+def _offset_scale(n_expert: int, k: int, gating: str) -> float:
+    """The popularity scale at which the top quarter of the experts takes TOP_QUARTER_SHARE of the routed slots,
+    on idealised router logits (independent standard normals; sigmoid gating adds the offsets to probabilities)."""
+    logits = np.random.default_rng(_STRUCTURE_STREAM).standard_normal((2048, n_expert))
+    scores = 1 / (1 + np.exp(-logits)) if gating == "sigmoid" else logits    # softmax ranks as its logits do
+    profile = _normal_quantiles(n_expert)
+    top = max(1, n_expert // 4)
+    target = min(TOP_QUARTER_SHARE, 0.9 * min(1.0, top / k))      # what the top quarter can take at most
+
+    def share(scale: float) -> float:
+        ids = np.argpartition(-(scores + scale * profile), k - 1, axis=1)[:, :k]
+        return np.sort(np.bincount(ids.ravel(), minlength=n_expert))[::-1][:top].sum() / ids.size
+
+    low, high = 0.0, 1.0
+    while share(high) < target:
+        low, high = high, 2 * high
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (middle, high) if share(middle) < target else (low, middle)
+    return (low + high) / 2
