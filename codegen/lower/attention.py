@@ -1,0 +1,782 @@
+"""Paged K/V store and attention: prefill chunks and decode windows.
+
+K/V pages. A layer's K/V lives in `n_slots` slots of `page_tokens` positions; logical page
+p = position // page_tokens is held in slot page_table[p] (an int32 device array: the runtime keeps a ring,
+the kernels just follow the table). K and V have their own GGML types (`planner.kv`: f32 for tests, f16,
+q8_0, q4_0 and mixes such as k8v4). Each of the four arrays is slot-major, a slot one contiguous row of each
+(what the runtime streams to and from the host); within a slot, kv head, then position, then the head's row:
+
+  data    int32 words (n_slots, n_kv * page_tokens * words): a head's row of `head_dim` values, packed:
+            F32 one value a word; F16 two (element 2w in the low half); Q8_0 four int8 quants (element 4w
+            in the low byte); Q4_0 eight nibbles, each 32-value block's 16 bytes in GGUF order (byte j holds
+            element j in its low nibble and element j + 16 in its high one, stored value + 8)
+  scales  float16 (n_slots, n_kv * page_tokens * head_dim // 32): Q8_0 / Q4_0 block scales; a (1, 1)
+            placeholder for float types, so every kernel takes the same arguments
+
+Nothing is added or dropped: the bytes are the planner's n_slots * page_tokens * (row_bytes(n_kv*dk, k_type)
++ row_bytes(n_kv*dv, v_type)). Stores quantize bit-exactly as gguf-py (ggml) does.
+
+Attention (both families) runs one block per (kv head, set of pages, set of rows); the block walks its pages
+in tiles of `Tuning.tile` positions aligned to absolute positions, ascending. A tile's K and V are dequantized once
+into shared memory (the next tile's raw words are already in flight, loaded into registers while this one is
+computed) and serve every query head of the kv head's group and every row of the block:
+  scores   each thread keeps 16 dims of 4 query heads in registers and dots them with its tokens' K;
+           the 16-dim partial sums are added in dim order by one thread per (head, token);
+  softmax  online over tiles: per head the tile's max, the running max, exp, and the tile's sum, each in a
+           fixed order (segments of 8 tokens, then segments in order);
+  P V      each thread sums 4 dims of 4 heads over every NS-th token of the tile; the NS partial sums are
+           added in order and folded into the row's running sum (rescaled by exp(m_old - m_new)), which lives
+           in the output itself (a decode partial, or a prefill output row, finished at the end).
+A row's result depends only on its own position: prefill rows are bitwise the same whatever the chunk and
+wherever it starts, decode rows the same whatever the window. Tokens past the block's last position (a page's
+unwritten tail) are zeroed when staged and masked from the scores.
+
+  prefill  out f32 (rows, n_head*dv): a block per (kv head, MAX_WINDOW rows), all pages up to its last row.
+  decode   partials f32 (rows, n_head, ATTENTION_SPLITS, dv + 2) = (running max, sum of exp, weighted V sum):
+           a block per (kv head, split s) over pages s, s + 64, s + 128, ... and every row of the window, so
+           the window reads each page once; a split with no page writes (-inf, 0, 0).
+  combine  out f32 (rows, n_head*dv): the splits of each (row, head) merged in order 0..63.
+"""
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType as T
+
+from codegen.graph import ATTENTION_SPLITS
+from codegen.lower import FAMILIES, MAX_WINDOW
+from codegen.lower.cuda import bits_to_f32, cuda, f32_to_bits, roundf
+from planner.errors import StratumError
+from planner.kv import KVType, parse_kv_type, row_bytes
+
+QUANT_BLOCK = 32          # values per Q8_0 / Q4_0 block
+KV_KINDS = (T.F32, T.F16, T.Q8_0, T.Q4_0)
+_ELEMENTS_PER_WORD = {T.F32: 1, T.F16: 2, T.Q8_0: 4, T.Q4_0: 8}
+_QUANTIZED = (T.Q8_0, T.Q4_0)
+
+SCORE_DIMS = 16           # dims of a query head a score thread holds in registers
+SCORE_HEADS = 4           # query heads a score thread holds (fewer when the group is not a multiple of 4)
+VALUE_DIMS = 4            # dims of the output a P V thread sums (more when the block is too small)
+MAX_SUBSETS = 4           # token subsets the P V sums are split into (shared memory bounds it)
+SEGMENT = 8               # tokens per softmax segment
+SHARED_BYTES = 48 * 1024  # static shared memory a block may use
+STORE_THREADS = 128
+COMBINE_MIN_THREADS = 64
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How an attention block is cut (results depend on `tile`: rows are bitwise stable for one tuning)."""
+    tile: int = 32          # positions per K/V tile (an online-softmax step), aligned to absolute positions
+    threads: int = 256      # at most, per block
+    hold_q: bool = True     # a lone row keeps its query slice in registers across tiles (else reloads it)
+
+
+TUNING = Tuning()
+
+NEG_INF = np.float32(-np.inf)
+_F16_SCALE = np.float32(2.0 ** 112)      # a half's exponent bias moved to a float's
+_F16_SUBNORMAL = np.float32(2.0 ** 24)   # a float below 2**-14 in units of the half's smallest subnormal
+_ROUND_TO_INT = np.float32(2.0 ** 23)    # x + 2**23 - 2**23 rounds x (0 <= x < 2**23) to the nearest even int
+_MAGIC = 0x4B000000                      # the float 2**23: its low mantissa bits hold a small integer exactly
+_MAGIC_Q8 = np.float32(2.0 ** 23 + 128)  # quant byte ^ 0x80 in the mantissa -> int8 value
+_MAGIC_Q4 = np.float32(2.0 ** 23 + 8)    # nibble in the mantissa -> nibble - 8
+_Q8_MAX = np.float32(127)
+_Q4_DIVISOR = np.float32(-8)
+_Q4_OFFSET = np.float32(8.5)
+_NOT_FUSED = np.float32(3.0e38)          # min(x, this) is x, but keeps x * y + c from becoming one FMA
+_ONE = np.float32(1)
+_ix = np.uint64    # array indices known >= 0: numba skips its negative-index wraparound
+_ZERO = np.float32(0)
+
+
+def _kv(kv_type_name) -> KVType:
+    kv = kv_type_name if isinstance(kv_type_name, KVType) else parse_kv_type(kv_type_name)
+    for which, ggml_type in (("K", kv.k_type), ("V", kv.v_type)):
+        if ggml_type not in KV_KINDS:
+            raise StratumError(f"K/V type {kv.name}: {which} in {ggml_type.name} has no kernel; the attention "
+                               f"kernels read {', '.join(t.name for t in KV_KINDS)}", field="kv")
+    return kv
+
+
+def _check_dims(**dims) -> None:
+    for name, value in dims.items():
+        if value <= 0 or value % QUANT_BLOCK:
+            raise StratumError(f"{name} = {value}: the K/V kernels need a positive multiple of {QUANT_BLOCK}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pages
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """The shape and dtype of one K/V array, before it is allocated."""
+    shape: tuple
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+def _zeroed_device_array(shape, dtype):
+    return cuda.to_device(np.zeros(shape, dtype))
+
+
+@dataclass(frozen=True)
+class KVPages:
+    """A layer's K/V pages: ArraySpecs from `kv_arrays`, device arrays once allocated (layout: module doc)."""
+    k_data: object
+    k_scales: object
+    v_data: object
+    v_scales: object
+    kv: KVType
+    page_tokens: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+
+    def arrays(self) -> tuple:
+        return self.k_data, self.k_scales, self.v_data, self.v_scales
+
+    @property
+    def n_slots(self) -> int:
+        return self.k_data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """The planner's count: data, and scales where the type has them (placeholders are not counted)."""
+        return (self.k_data.nbytes + self.v_data.nbytes + (self.k_scales.nbytes if self.kv.k_type in _QUANTIZED
+                else 0) + (self.v_scales.nbytes if self.kv.v_type in _QUANTIZED else 0))
+
+    def allocate(self, device_array=None) -> "KVPages":
+        """The same pages as device arrays, each from `device_array(shape, dtype)` (the runtime carves them
+        from its arena); by default fresh zeroed device arrays."""
+        make = device_array or _zeroed_device_array
+        return replace(self, **{name: make(a.shape, a.dtype) for name, a in zip(_ARRAYS, self.arrays())})
+
+
+_ARRAYS = ("k_data", "k_scales", "v_data", "v_scales")
+
+
+def _tensor_arrays(ggml_type: T, n_slots: int, page_tokens: int, n_head_kv: int, head_dim: int):
+    words = n_head_kv * page_tokens * head_dim // _ELEMENTS_PER_WORD[ggml_type]
+    scales = (n_slots, n_head_kv * page_tokens * head_dim // QUANT_BLOCK) if ggml_type in _QUANTIZED else (1, 1)
+    return ArraySpec((n_slots, words), np.dtype(np.int32)), ArraySpec(scales, np.dtype(np.float16))
+
+
+def kv_arrays(kv_type_name, n_slots: int, page_tokens: int, n_head_kv: int, head_dim_k: int,
+              head_dim_v: int) -> KVPages:
+    """The K/V pages of one layer as ArraySpecs; `.allocate()` makes them device arrays."""
+    kv = _kv(kv_type_name)
+    _check_dims(head_dim_k=head_dim_k, head_dim_v=head_dim_v)
+    if n_slots <= 0 or page_tokens <= 0 or n_head_kv <= 0:
+        raise StratumError(f"K/V pages need slots, page tokens and kv heads > 0 (got {n_slots}, {page_tokens}, "
+                           f"{n_head_kv})")
+    pages = KVPages(*_tensor_arrays(kv.k_type, n_slots, page_tokens, n_head_kv, head_dim_k),
+                    *_tensor_arrays(kv.v_type, n_slots, page_tokens, n_head_kv, head_dim_v), kv=kv,
+                    page_tokens=page_tokens, n_head_kv=n_head_kv, head_dim_k=head_dim_k, head_dim_v=head_dim_v)
+    planned = n_slots * page_tokens * (row_bytes(n_head_kv * head_dim_k, kv.k_type)
+                                       + row_bytes(n_head_kv * head_dim_v, kv.v_type))
+    assert pages.nbytes == planned, (pages.nbytes, planned)
+    return pages
+
+
+# ---------------------------------------------------------------------------------------------------------
+# element formats
+
+
+@cuda.jit(device=True, inline=True)
+def _half_to_f32(h):
+    """The float32 value of half bits h (0..0xffff), exactly: subnormals, infinities and NaN too."""
+    magnitude = h & 0x7FFF
+    if magnitude >= 0x7C00:
+        value = bits_to_f32(np.int32(0x7F800000 | ((magnitude & 0x3FF) << 13)))
+    else:
+        value = bits_to_f32(np.int32(magnitude << 13)) * _F16_SCALE
+    return -value if h & 0x8000 else value
+
+
+@cuda.jit(device=True, inline=True)
+def _f32_to_half(x):
+    """Half bits (0..0xffff) of float32 x, rounded to nearest even as numpy's astype(float16) does."""
+    bits = f32_to_bits(x)
+    sign = (bits >> 16) & 0x8000
+    a = bits & 0x7FFFFFFF
+    if a > 0x7F800000:
+        h = 0x7E00
+    elif a >= 0x477FF000:              # 65520 and above round to infinity
+        h = 0x7C00
+    elif a >= 0x38800000:              # a normal half: rebias the exponent, round the 13 dropped bits
+        m = a - 0x38000000
+        h = (m + 0xFFF + ((m >> 13) & 1)) >> 13
+    else:                              # a subnormal half (or zero): round x * 2**24 to an integer
+        scaled = abs(x) * _F16_SUBNORMAL
+        h = np.int32((scaled + _ROUND_TO_INT) - _ROUND_TO_INT)
+    return sign | h
+
+
+def _element(ggml_type: T):
+    """(dim, value): element e of packed word w holds dim(w, e) of the row; value(word, e, scale) is it."""
+    if ggml_type == T.F32:
+        def dim(w, e):
+            return w
+
+        def value(word, e, scale):
+            return bits_to_f32(word)
+    elif ggml_type == T.F16:
+        def dim(w, e):
+            return 2 * w + e
+
+        def value(word, e, scale):
+            return _half_to_f32((word >> (16 * e)) & 0xFFFF)
+    elif ggml_type == T.Q8_0:
+        def dim(w, e):
+            return 4 * w + e
+
+        def value(word, e, scale):
+            return (bits_to_f32(np.int32(_MAGIC | (((word >> (8 * e)) & 0xFF) ^ 0x80))) - _MAGIC_Q8) * scale
+    else:
+        def dim(w, e):
+            return (w // 4) * QUANT_BLOCK + (w % 4) * 4 + e % 4 + 16 * (e // 4)
+
+        def value(word, e, scale):
+            nibble = (word >> (8 * (e % 4) + 4 * (e // 4))) & 0xF
+            return (bits_to_f32(np.int32(_MAGIC | nibble)) - _MAGIC_Q4) * scale
+    return cuda.jit(device=True, inline=True)(dim), cuda.jit(device=True, inline=True)(value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# K/V store
+
+
+# block writers: the 32 values x[row, col:col + 32] into a slot's words from `word` on (and scale `block`)
+
+
+def _quantize_q8_0(x, row, col, data, scales, slot, word, block):
+    amax = _ZERO
+    for e in range(QUANT_BLOCK):
+        amax = max(amax, abs(x[row, col + e]))
+    d = amax / _Q8_MAX
+    inverse = _ONE / d if d != _ZERO else _ZERO
+    for w in range(QUANT_BLOCK // 4):
+        packed = 0
+        for e in range(4):
+            packed |= (np.int32(roundf(x[row, col + 4 * w + e] * inverse)) & 0xFF) << (8 * e)
+        data[slot, word + w] = packed
+    scales[slot, block] = d
+
+
+def _quantize_q4_0(x, row, col, data, scales, slot, word, block):
+    amax = _ZERO
+    signed_max = _ZERO
+    for e in range(QUANT_BLOCK):
+        if abs(x[row, col + e]) > amax:
+            amax = abs(x[row, col + e])
+            signed_max = x[row, col + e]
+    d = signed_max / _Q4_DIVISOR
+    inverse = _ONE / d if d != _ZERO else _ZERO
+    for w in range(QUANT_BLOCK // 8):
+        packed = 0
+        for b in range(4):
+            for high in range(2):
+                scaled = min(x[row, col + 4 * w + b + 16 * high] * inverse, _NOT_FUSED)
+                packed |= np.int32(min(15, np.int32(scaled + _Q4_OFFSET))) << (8 * b + 4 * high)
+        data[slot, word + w] = packed
+    scales[slot, block] = d
+
+
+def _store_f32(x, row, col, data, scales, slot, word, block):
+    for e in range(QUANT_BLOCK):
+        data[slot, word + e] = f32_to_bits(x[row, col + e])
+
+
+def _store_f16(x, row, col, data, scales, slot, word, block):
+    for w in range(QUANT_BLOCK // 2):
+        data[slot, word + w] = _f32_to_half(x[row, col + 2 * w]) | (_f32_to_half(x[row, col + 2 * w + 1]) << 16)
+
+
+_BLOCK_WRITERS = {T.F32: _store_f32, T.F16: _store_f16, T.Q8_0: _quantize_q8_0, T.Q4_0: _quantize_q4_0}
+
+
+@functools.cache
+def _block_store(ggml_type: T, n_head_kv: int, head_dim: int, page_tokens: int):
+    """store(i, x, positions, page_table, data, scales): block i (row, kv head, 32 values) of x, written
+    (quantized) at its position's page."""
+    ggml_type = T(ggml_type)
+    blocks = head_dim // QUANT_BLOCK
+    block_words = QUANT_BLOCK // _ELEMENTS_PER_WORD[ggml_type]
+    write = cuda.jit(device=True, inline=True)(_BLOCK_WRITERS[ggml_type])
+
+    @cuda.jit(device=True, inline=True)
+    def store(i, x, positions, page_table, data, scales):
+        row = i // (n_head_kv * blocks)
+        head = (i // blocks) % n_head_kv
+        block = i % blocks
+        pos = positions[row]
+        at = ((head * page_tokens + pos % page_tokens) * blocks + block)     # the block's index in its slot
+        write(x, row, head * head_dim + block * QUANT_BLOCK, data, scales, page_table[pos // page_tokens],
+              at * block_words, at)
+    return store
+
+
+@functools.cache
+def make_kv_store(kv_type_name, n_head_kv: int, head_dim_k: int, head_dim_v: int, page_tokens: int):
+    """launch(stream, k, v, positions, page_table, pages): k f32 (rows, n_kv*dk) and v f32 (rows, n_kv*dv)
+    at int32 `positions` into their pages (quantized bit-exactly as gguf-py does); a thread per 32 values."""
+    kv = _kv(kv_type_name)
+    _check_dims(head_dim_k=head_dim_k, head_dim_v=head_dim_v)
+    store_k = _block_store(kv.k_type, n_head_kv, head_dim_k, page_tokens)
+    store_v = _block_store(kv.v_type, n_head_kv, head_dim_v, page_tokens)
+    k_blocks = n_head_kv * head_dim_k // QUANT_BLOCK
+    v_blocks = n_head_kv * head_dim_v // QUANT_BLOCK
+
+    @cuda.jit
+    def kernel(k, v, positions, page_table, k_data, k_scales, v_data, v_scales):
+        i = cuda.grid(1)
+        n_k = k.shape[0] * k_blocks
+        if i < n_k:
+            store_k(i, k, positions, page_table, k_data, k_scales)
+        elif i < n_k + v.shape[0] * v_blocks:
+            store_v(i - n_k, v, positions, page_table, v_data, v_scales)
+
+    def launch(stream, k, v, positions, page_table, pages):
+        threads = k.shape[0] * (k_blocks + v_blocks)
+        if threads:
+            kernel[-(-threads // STORE_THREADS), STORE_THREADS, stream](k, v, positions, page_table, *pages.arrays())
+    return launch
+
+
+# ---------------------------------------------------------------------------------------------------------
+# attention
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The block's decomposition, from the constants alone (module doc)."""
+    group: int          # query heads per kv head
+    dk: int
+    dv: int
+    page_tokens: int
+    tile: int           # positions per tile
+    score_heads: int    # GT: query heads a score thread holds
+    head_groups: int    # GG = group / GT
+    dim_chunks: int     # KC = dk / SCORE_DIMS: partial sums per score
+    lanes: int          # token lanes of the score phase
+    threads: int        # = GG * KC * lanes
+    value_dims: int     # DVT: dims a P V thread sums
+    value_chunks: int   # DVC = dv / DVT (dims d = chunk + DVC * j, so neighbours read neighbours)
+    value_roles: int    # PVR = (group / GT) * DVC
+    subsets: int        # NS: token subsets of the P V sums
+    segment: int        # tokens per softmax segment
+
+    @property
+    def k_stride(self) -> int:     # a K row in shared memory, padded so token lanes hit distinct banks
+        return self.dk + 1
+
+    @property
+    def scratch(self) -> int:      # floats: score partials, then the P V partials of subsets 1..NS-1
+        return max(self.group * self.tile * self.dim_chunks, max(self.subsets - 1, 1) * self.group * self.dv)
+
+    @property
+    def shared_bytes(self) -> int:
+        floats = (self.tile * self.k_stride + self.tile * self.dv + self.scratch + self.group * self.tile
+                  + 2 * self.group * (self.tile // self.segment) + 2 * MAX_WINDOW * self.group + 2 * self.group)
+        return 4 * floats
+
+
+def _shape(group: int, dk: int, dv: int, page_tokens: int, tile: int, max_threads: int) -> _Shape:
+    tile = math.gcd(page_tokens, tile)
+    gt = _largest_divisor(group, SCORE_HEADS)
+    kc = dk // SCORE_DIMS
+    lanes = _largest_divisor(tile, max(1, max_threads // (group // gt * kc)))
+    threads = group // gt * kc * lanes
+    dvt = VALUE_DIMS
+    while group // gt * dv // dvt > threads and dv % (2 * dvt) == 0:
+        dvt *= 2
+    roles = group // gt * dv // dvt
+    subsets = 1
+    while 2 * subsets <= MAX_SUBSETS and 2 * subsets * roles <= threads and tile % (2 * subsets) == 0:
+        subsets *= 2
+    segment = min(tile, SEGMENT)
+    if roles > threads or group * (tile // segment) > threads:
+        raise StratumError(f"attention blocks of {threads} threads cannot cover {group} query heads per kv head "
+                           f"with head dims {dk}/{dv}")
+    return _Shape(group, dk, dv, page_tokens, tile, gt, group // gt, kc, lanes, threads, dvt, dv // dvt, roles,
+                  subsets, segment)
+
+
+def _tile_io(ggml_type: T, page_tokens: int, dim: int, s: _Shape, stride: int):
+    """(load, store, words per thread) for one tensor's tile: load(data, scales, slot, head, first, tid, raw,
+    raw_scales) issues the loads of a tile's words into registers; store(raw, raw_scales, tid, keep, buf)
+    writes them dequantized to buf[token * stride + dim] (zeros for tokens >= keep: never written).
+    Thread tid holds words w0 + a * WT of tokens t0 + b * TT (w0, t0 = tid % WT, tid // WT), so its loads
+    and stores are one base address plus constants."""
+    per_word = _ELEMENTS_PER_WORD[ggml_type]
+    row_words = dim // per_word
+    wt = min(s.threads, row_words)
+    tt = s.threads // wt
+    if row_words % wt or s.tile % tt:
+        raise StratumError(f"a {ggml_type.name} tile of {s.tile} x {row_words} words does not split over "
+                           f"{s.threads} threads")
+    n_a, n_b = row_words // wt, s.tile // tt
+    per_thread = n_a * n_b
+    quantized = ggml_type in _QUANTIZED
+    words_per_block = QUANT_BLOCK // per_word
+    blocks_per_row = dim // QUANT_BLOCK
+    element_dim, element_value = _element(ggml_type)
+
+    @cuda.jit(device=True, inline=True)
+    def load(data, scales, slot, head, first, tid, raw, raw_scales):
+        if tid < wt * tt:
+            row = head * page_tokens + first + tid // wt
+            w0 = tid % wt
+            for b in range(n_b):
+                for a in range(n_a):
+                    raw[b * n_a + a] = data[_ix(slot), _ix((row + b * tt) * row_words + w0 + a * wt)]
+                    if quantized:
+                        raw_scales[b * n_a + a] = np.float32(
+                            scales[_ix(slot), _ix((row + b * tt) * blocks_per_row + (w0 + a * wt) // words_per_block)])
+
+    @cuda.jit(device=True, inline=True)
+    def store(raw, raw_scales, tid, keep, buf):
+        if tid < wt * tt:
+            t0 = tid // wt
+            w0 = tid % wt
+            for b in range(n_b):
+                for a in range(n_a):
+                    for e in range(per_word):
+                        value = _ZERO
+                        if t0 + b * tt < keep:
+                            value = element_value(raw[b * n_a + a], e, raw_scales[b * n_a + a])
+                        buf[_ix((t0 + b * tt) * stride + element_dim(w0 + a * wt, e))] = value
+    return load, store, per_thread
+
+
+def _outputs(decode: bool, group: int, dv: int, threads: int):
+    """(get, set, finish) for the running P V sums, which live in the output: a decode partial's V sum
+    (rows, n_head, splits, dv + 2), or a prefill output row (rows, n_head * dv), divided at the end."""
+    if decode:
+        def get(out, row, head, split, d):
+            return out[row, head, split, 2 + d]
+
+        def put(out, row, head, split, d, value):
+            out[row, head, split, 2 + d] = value
+
+        def finish(out, tid, row0, n_rows, kv_head, split, run_max, run_sum):
+            for e in range(tid, n_rows * group * (dv + 2), threads):
+                r = e // (group * (dv + 2))
+                g = (e // (dv + 2)) % group
+                x = e % (dv + 2)
+                m = run_max[r * group + g]
+                if x == 0:
+                    out[r, kv_head * group + g, split, 0] = m
+                elif x == 1:
+                    out[r, kv_head * group + g, split, 1] = run_sum[r * group + g]
+                elif m == NEG_INF:
+                    out[r, kv_head * group + g, split, x] = _ZERO
+    else:
+        def get(out, row, head, split, d):
+            return out[row, head * dv + d]
+
+        def put(out, row, head, split, d, value):
+            out[row, head * dv + d] = value
+
+        def finish(out, tid, row0, n_rows, kv_head, split, run_max, run_sum):
+            for e in range(tid, n_rows * group * dv, threads):
+                r = e // (group * dv)
+                g = (e // dv) % group
+                col = (kv_head * group + g) * dv + e % dv
+                out[row0 + r, col] = out[row0 + r, col] / run_sum[r * group + g]
+    return tuple(cuda.jit(device=True, inline=True)(f) for f in (get, put, finish))
+
+
+@functools.cache
+def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, dv: int, page_tokens: int,
+                      n_head_kv: int, tuning: "Tuning"):
+    """The attention kernel and its block's thread count (module doc)."""
+    s = _shape(group, dk, dv, page_tokens, tuning.tile, tuning.threads)
+    hold_q = tuning.hold_q
+    if s.shared_bytes > SHARED_BYTES:
+        raise StratumError(f"attention with {group} query heads per kv head and head dims {dk}/{dv} needs "
+                           f"{s.shared_bytes} bytes of shared memory per block (at most {SHARED_BYTES})")
+    T_, PT, G, GT, KC, DT = s.tile, page_tokens, group, s.score_heads, s.dim_chunks, SCORE_DIMS
+    TPP = PT // T_
+    LANES, GG, NT, TPL = s.lanes, s.head_groups, s.threads, s.tile // s.lanes
+    DVT, DVC, PVR, NS, TPS = s.value_dims, s.value_chunks, s.value_roles, s.subsets, s.tile // s.subsets
+    SEGL = s.segment
+    NSEG = T_ // SEGL
+    KSTR = s.k_stride
+    SCRATCH = s.scratch
+    SCORE_ROLES = SEGMENTS = G * NSEG
+    K_TILE, V_TILE, PROBS, RUNNING = T_ * KSTR, T_ * dv, G * T_, MAX_WINDOW * G
+    Q_REGS, ACC_REGS = GT * DT, GT * DVT
+    scale = np.float32(1.0 / math.sqrt(dk))
+    load_k, store_k, WK = _tile_io(k_type, PT, dk, s, KSTR)
+    load_v, store_v, WV = _tile_io(v_type, PT, dv, s, dv)
+    splits = ATTENTION_SPLITS
+
+    state_get, state_set, finish = _outputs(decode, G, dv, NT)
+
+    @cuda.jit
+    def kernel(q, positions, page_table, k_data, k_scales, v_data, v_scales, out):
+        tid = cuda.threadIdx.x
+        block = cuda.blockIdx.x
+        if decode:
+            kv_head = block // splits
+            first_page = block % splits
+            page_step = splits
+            row0 = 0
+            n_rows = q.shape[0]
+        else:
+            kv_head = block % n_head_kv
+            first_page = 0
+            page_step = 1
+            row0 = (block // n_head_kv) * MAX_WINDOW
+            n_rows = min(MAX_WINDOW, q.shape[0] - row0)
+        split = first_page
+        k_tile = cuda.shared.array(K_TILE, np.float32)
+        v_tile = cuda.shared.array(V_TILE, np.float32)
+        scratch = cuda.shared.array(SCRATCH, np.float32)
+        probs = cuda.shared.array(PROBS, np.float32)
+        seg_max = cuda.shared.array(SEGMENTS, np.float32)
+        seg_sum = cuda.shared.array(SEGMENTS, np.float32)
+        run_max = cuda.shared.array(RUNNING, np.float32)
+        run_sum = cuda.shared.array(RUNNING, np.float32)
+        new_max = cuda.shared.array(G, np.float32)
+        old_max = cuda.shared.array(G, np.float32)
+        for e in range(tid, RUNNING, NT):
+            run_max[e] = NEG_INF
+            run_sum[e] = _ZERO
+
+        last_pos = -1
+        for r in range(n_rows):
+            last_pos = max(last_pos, positions[row0 + r])
+        last_page = last_pos // PT
+        n_tiles = 0
+        if last_pos >= 0 and first_page <= last_page:
+            n_pages = (last_page - first_page) // page_step + 1
+            in_last = (last_pos - (first_page + (n_pages - 1) * page_step) * PT) // T_ + 1
+            n_tiles = (n_pages - 1) * TPP + min(TPP, in_last)
+
+        lane = tid % LANES
+        head_group = (tid // LANES) % GG
+        chunk = tid // (LANES * GG)
+        score_head = tid // NSEG
+        score_segment = tid % NSEG
+        v_chunk = tid % DVC
+        v_heads = (tid // DVC) % GG
+        subset = tid // PVR
+        k_raw = cuda.local.array(WK, np.int32)
+        k_raw_scales = cuda.local.array(WK, np.float32)
+        v_raw = cuda.local.array(WV, np.int32)
+        v_raw_scales = cuda.local.array(WV, np.float32)
+        q_regs = cuda.local.array(Q_REGS, np.float32)
+        k_vals = cuda.local.array(DT, np.float32)
+        v_vals = cuda.local.array(DVT, np.float32)
+        acc = cuda.local.array(ACC_REGS, np.float32)
+        prev = cuda.local.array(ACC_REGS, np.float32)
+
+        if n_tiles > 0:
+            slot = page_table[first_page]
+            load_k(k_data, k_scales, slot, kv_head, 0, tid, k_raw, k_raw_scales)
+            load_v(v_data, v_scales, slot, kv_head, 0, tid, v_raw, v_raw_scales)
+        cuda.syncthreads()
+        for i in range(n_tiles):
+            t0 = (first_page + (i // TPP) * page_step) * PT + (i % TPP) * T_
+            cuda.syncthreads()
+            keep = last_pos - t0 + 1
+            store_k(k_raw, k_raw_scales, tid, keep, k_tile)
+            store_v(v_raw, v_raw_scales, tid, keep, v_tile)
+            if i + 1 < n_tiles:
+                slot = page_table[first_page + ((i + 1) // TPP) * page_step]
+                first = ((i + 1) % TPP) * T_
+                load_k(k_data, k_scales, slot, kv_head, first, tid, k_raw, k_raw_scales)
+                load_v(v_data, v_scales, slot, kv_head, first, tid, v_raw, v_raw_scales)
+            cuda.syncthreads()
+            for r in range(n_rows):
+                row = row0 + r
+                pos = positions[row]
+                if pos >= t0:
+                    # scores: 16-dim partial dot products of GT heads with this lane's tokens
+                    if i == 0 or n_rows > 1 or not hold_q:
+                        for a in range(GT):
+                            for j in range(DT):
+                                q_regs[a * DT + j] = q[_ix(row), _ix(((kv_head * G + head_group * GT + a) * KC + chunk) * DT + j)]
+                    for k in range(TPL):
+                        t = lane + k * LANES
+                        for j in range(DT):
+                            k_vals[j] = k_tile[_ix(t * KSTR + chunk * DT + j)]
+                        for a in range(GT):
+                            dot = _ZERO
+                            for j in range(DT):
+                                dot += q_regs[a * DT + j] * k_vals[j]
+                            scratch[_ix((chunk * G + head_group * GT + a) * T_ + t)] = dot
+                    cuda.syncthreads()
+                    # each (head, segment): scores in dim-chunk order, masked past the row; the segment's max
+                    if tid < SCORE_ROLES:
+                        g = score_head
+                        top = NEG_INF
+                        for k in range(SEGL):
+                            t = score_segment * SEGL + k
+                            score = _ZERO
+                            for c in range(KC):
+                                score += scratch[_ix((c * G + g) * T_ + t)]
+                            score = score * scale
+                            if t0 + t > pos:
+                                score = NEG_INF
+                            probs[_ix(g * T_ + t)] = score
+                            top = max(top, score)
+                        seg_max[tid] = top
+                    cuda.syncthreads()
+                    # each (head, segment): the new running max, probabilities, the segment's sum
+                    if tid < SCORE_ROLES:
+                        g = score_head
+                        m_old = run_max[r * G + g]
+                        m_new = m_old
+                        for k in range(NSEG):
+                            m_new = max(m_new, seg_max[_ix(g * NSEG + k)])
+                        total = _ZERO
+                        for k in range(SEGL):
+                            t = score_segment * SEGL + k
+                            p = math.exp(probs[_ix(g * T_ + t)] - m_new)
+                            probs[_ix(g * T_ + t)] = p
+                            total += p
+                        seg_sum[tid] = total
+                        if score_segment == 0:
+                            new_max[g] = m_new
+                            old_max[g] = m_old
+                    cuda.syncthreads()
+                    # P V: GT heads x DVT dims over every NS-th token; subsets 1.. hand theirs over
+                    if tid < NS * PVR:
+                        for a in range(GT):
+                            g = v_heads * GT + a
+                            for j in range(DVT):
+                                acc[a * DVT + j] = _ZERO
+                                if subset == 0 and old_max[g] != NEG_INF:
+                                    prev[a * DVT + j] = state_get(out, row, kv_head * G + g, split,
+                                                                  v_chunk + DVC * j)
+                        for k in range(TPS):
+                            t = subset + k * NS
+                            for j in range(DVT):
+                                v_vals[j] = v_tile[_ix(t * dv + v_chunk + DVC * j)]
+                            for a in range(GT):
+                                p = probs[_ix((v_heads * GT + a) * T_ + t)]
+                                for j in range(DVT):
+                                    acc[a * DVT + j] += p * v_vals[j]
+                        if subset > 0:
+                            for a in range(GT):
+                                for j in range(DVT):
+                                    scratch[_ix(((subset - 1) * G + v_heads * GT + a) * dv + v_chunk + DVC * j)] = \
+                                        acc[a * DVT + j]
+                    cuda.syncthreads()
+                    # subset 0 adds the others in order and folds the tile into the row's running sum
+                    if tid < PVR:
+                        for a in range(GT):
+                            g = v_heads * GT + a
+                            m_old = old_max[g]
+                            alpha = math.exp(m_old - new_max[g])
+                            for j in range(DVT):
+                                d = v_chunk + DVC * j
+                                total = acc[a * DVT + j]
+                                for u in range(NS - 1):
+                                    total += scratch[_ix((u * G + g) * dv + d)]
+                                if m_old != NEG_INF:
+                                    total = prev[a * DVT + j] * alpha + total
+                                state_set(out, row, kv_head * G + g, split, d, total)
+                    if tid < G:
+                        m_old = old_max[tid]
+                        total = _ZERO
+                        for k in range(NSEG):
+                            total += seg_sum[tid * NSEG + k]
+                        run_sum[r * G + tid] = run_sum[r * G + tid] * math.exp(m_old - new_max[tid]) + total
+                        run_max[r * G + tid] = new_max[tid]
+                    cuda.syncthreads()
+
+        cuda.syncthreads()
+        finish(out, tid, row0, n_rows, kv_head, split, run_max, run_sum)
+
+    return kernel, s
+
+
+def _check_attention(family: str, n_head: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
+                     page_tokens: int) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; expected one of {FAMILIES}")
+    if n_head_kv <= 0 or n_head % n_head_kv:
+        raise StratumError(f"{n_head} query heads cannot be grouped over {n_head_kv} kv heads")
+    if page_tokens <= 0:
+        raise StratumError(f"page_tokens = {page_tokens}")
+    _check_dims(head_dim_k=head_dim_k, head_dim_v=head_dim_v)
+
+
+def _attention_launch(family: str, kv_type_name, n_head: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
+                      page_tokens: int, tuning: "Tuning"):
+    kv = _kv(kv_type_name)
+    _check_attention(family, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens)
+    decode = family == "decode"
+    kernel, shape = _attention_kernel(decode, kv.k_type, kv.v_type, n_head // n_head_kv, head_dim_k, head_dim_v,
+                                      page_tokens, n_head_kv, tuning)
+    threads = shape.threads
+
+    def launch(stream, q, positions, page_table, pages, out):
+        rows = q.shape[0]
+        if decode:
+            if rows > MAX_WINDOW:
+                raise ValueError(f"a decode window holds at most {MAX_WINDOW} rows, got {rows}")
+            blocks = n_head_kv * ATTENTION_SPLITS
+        else:
+            blocks = -(-rows // MAX_WINDOW) * n_head_kv
+        if rows:
+            kernel[blocks, threads, stream](q, positions, page_table, *pages.arrays(), out)
+    return launch
+
+
+@functools.cache
+def make_attention(family: str, kv_type_name, n_head: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
+                   page_tokens: int):
+    """prefill: launch(stream, q, positions, page_table, pages, out); decode: launch(stream, q, positions,
+    page_table, pages, partials). q f32 (rows, n_head*dk) with RoPE applied, at int32 `positions`, reads the
+    positions 0..p already stored; out f32 (rows, n_head*dv); partials f32 (rows, n_head, 64, dv + 2)."""
+    return _attention_launch(family, kv_type_name, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens, TUNING)
+
+
+@functools.cache
+def make_attention_combine(n_head: int, head_dim_v: int):
+    """launch(stream, partials, out): each (row, head)'s 64 split partials merged in split order."""
+    dv = head_dim_v
+    threads = max(dv, COMBINE_MIN_THREADS, ATTENTION_SPLITS)
+    splits = ATTENTION_SPLITS
+
+    @cuda.jit
+    def kernel(partials, out):
+        tid = cuda.threadIdx.x
+        row = cuda.blockIdx.x // n_head
+        head = cuda.blockIdx.x % n_head
+        weights = cuda.shared.array(ATTENTION_SPLITS, np.float32)
+        top = NEG_INF
+        for s in range(splits):
+            top = max(top, partials[row, head, s, 0])
+        if tid < splits:
+            weights[tid] = math.exp(partials[row, head, tid, 0] - top)
+        cuda.syncthreads()
+        if tid < dv:
+            num = _ZERO
+            den = _ZERO
+            for s in range(splits):
+                w = weights[s]
+                num += w * partials[row, head, s, 2 + tid]
+                den += w * partials[row, head, s, 1]
+            out[row, head * dv + tid] = num / den
+
+    def launch(stream, partials, out):
+        if partials.shape[0]:
+            kernel[partials.shape[0] * n_head, threads, stream](partials, out)
+    return launch
