@@ -33,7 +33,7 @@ from gguf.constants import GGMLQuantizationType as T
 from benchmarks.ceilings import fp32_peak_flops, read_bandwidth_bytes_per_s, time_s
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import attention as att
-from codegen.lower.cuda import cuda, device_name
+from codegen.lower.cuda import cuda
 from planner.kv import parse_kv_type, row_bytes
 from runtime.reference import attention as reference_attention, kv_round
 
@@ -44,7 +44,7 @@ DECODE_KV = ("f16", "q8_0")
 WINDOWS = (1, 4)
 PREFILL_CHUNKS = (512, 2048)
 CHECK_ROWS = 32                 # prefill rows checked against float64 (the chunk's last)
-SWEEP = (att.Tuning(16, 256, False), att.Tuning(32, 128, True), att.Tuning(32, 256, False))
+SWEEP = (att.Tuning(32, 256, True), att.Tuning(16, 256, False), att.Tuning(16, 128, True))
 FLOPS_PER_HEAD_TOKEN = 2 * (QWEN3_30B["dk"] + QWEN3_30B["dv"])
 
 
@@ -119,14 +119,15 @@ class Layers:
             for src, dst in zip(first.arrays(), layer.arrays()):
                 dst.copy_to_device(src)
         self.k_ref, self.v_ref = kv_round(k, self.kv.k_type), kv_round(v, self.kv.v_type)
-        self.window_references = {}
+        self.window_references = None
         cuda.synchronize()
 
     def window_reference(self, rows: int) -> np.ndarray:
-        """The reference for a decode window of `rows` (q[:rows] at the context's last positions)."""
-        if rows not in self.window_references:
-            self.window_references[rows] = self.reference(self.q[:rows], np.arange(self.context - rows, self.context))
-        return self.window_references[rows]
+        """The reference for a decode window of `rows`: the last rows of q at the context's last positions."""
+        if self.window_references is None:
+            every = len(self.q)
+            self.window_references = self.reference(self.q, np.arange(self.context - every, self.context))
+        return self.window_references[len(self.q) - rows:]
 
     def reference(self, q, positions) -> np.ndarray:
         """float64 attention of rows q at `positions`, one kv head at a time (GQA repeats K/V per head)."""
@@ -217,7 +218,7 @@ def decode_runs(layers: Layers, rows: int, version: str, tuning=att.TUNING):
     """(enqueue functions, one per layer, and the output array of layer 0) for a decode window of `rows`."""
     s = QWEN3_30B
     positions = cuda.to_device(np.arange(layers.context - rows, layers.context, dtype=np.int32))
-    q = cuda.to_device(layers.q[:rows])
+    q = cuda.to_device(layers.q[len(layers.q) - rows:])
     out = cuda.device_array((rows, s["n_head"] * s["dv"]), np.float32)
     if version == "v1":
         launch = _simple_decode(layers.kv_name, split=False)
@@ -262,7 +263,7 @@ def decode_versions(rng, bandwidth: float, peak: float, sweep: bool) -> None:
                 rows.append(decode_row(layers, window, version, version, bandwidth, peak))
             if sweep:
                 for tuning in SWEEP:
-                    label = f"v3 tile {tuning.tile} x{tuning.threads}{' hold q' if tuning.hold_q else ''}"
+                    label = f"v3 {tuning.tile} x{tuning.threads}{' hold q' if tuning.hold_q else ''}"
                     rows.append(decode_row(layers, window, "v3", label, bandwidth, peak, tuning))
         del layers
     print_table(f"decode attention, {CONTEXT} tokens of K/V, partials + combine (target >= 60% BW)", DECODE_HEADER,
@@ -300,7 +301,8 @@ def prefill_table(rng, peak: float) -> None:
 def main(argv=()):
     rng = np.random.default_rng(0)
     bandwidth, peak = read_bandwidth_bytes_per_s(), fp32_peak_flops()
-    print(f"{device_name()}: read bandwidth {bandwidth / 1e12:.2f} TB/s, FP32 FMA peak {peak / 1e12:.1f} TFLOP/s")
+    print(f"{cuda.get_current_device().name}: read bandwidth {bandwidth / 1e12:.2f} TB/s, FP32 FMA peak "
+          f"{peak / 1e12:.1f} TFLOP/s")
     decode_versions(rng, bandwidth, peak, "--sweep" in argv)
     prefill_table(rng, peak)
 

@@ -77,15 +77,15 @@ class Setup:
                self.d_table, self.pages, out)
         return out.copy_to_host()
 
-    def decode(self, positions):
+    def decode(self, positions, tuning=att.TUNING):
         """(partials, combined output) of one decode window at `positions`."""
         rows = len(positions)
         partials = cuda.to_device(np.full((rows, self.n_head, ATTENTION_SPLITS, self.dv + 2), np.nan, np.float32))
         out = cuda.to_device(np.full((rows, self.n_head * self.dv), np.nan, np.float32))
-        att.make_attention("decode", self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv,
-                           self.page_tokens)(0, cuda.to_device(self.q[positions - self.q_from]),
-                                             cuda.to_device(positions.astype(np.int32)), self.d_table, self.pages,
-                                             partials)
+        launch = att._attention_launch("decode", self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv,
+                                       self.page_tokens, tuning)
+        launch(0, cuda.to_device(self.q[positions - self.q_from]), cuda.to_device(positions.astype(np.int32)),
+               self.d_table, self.pages, partials)
         att.make_attention_combine(self.n_head, self.dv)(0, partials, out)
         return partials.copy_to_host(), out.copy_to_host()
 
@@ -197,12 +197,24 @@ def test_prefill_rows_are_bitwise_the_same_for_every_chunking(rng):
 
 def test_prefill_with_several_tiles_per_page(rng):
     setup = Setup(rng, "q8_0", 37, page_tokens=8)
-    tuning = att.Tuning(tile=4, threads=att.TUNING.threads, hold_q=att.TUNING.hold_q)
+    tuning = att.Tuning(tile=4)
     whole = setup.prefill(np.arange(37), tuning)
     assert _relative(whole, setup.reference(np.arange(37))) < TOLERANCE
     for begin in range(21, 37, 5):
         positions = np.arange(begin, min(begin + 5, 37))
         np.testing.assert_array_equal(setup.prefill(positions, tuning), whole[positions])
+
+
+def test_prefill_with_one_buffer_for_both_partials(rng):
+    """Where shared memory holds only one of the score and P V partials, the next scores wait for the fold."""
+    setup = Setup(rng, "k8v4", 21)
+    roomy = att._shape(2, 32, 32, 4, att.TUNING)
+    tight = att.Tuning(shared_bytes=roomy.shared_bytes - 4 * min(roomy.score_partials, roomy.value_partials))
+    assert roomy.separate and not att._shape(2, 32, 32, 4, tight).separate
+    positions = np.arange(4, 21)
+    got = setup.prefill(positions, tight)
+    np.testing.assert_array_equal(got, setup.prefill(positions))
+    assert _relative(got, setup.reference(positions)) < TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -253,18 +265,22 @@ def test_decode_refuses_windows_over_the_maximum(rng):
 # real shapes on a GPU: Qwen3-30B-A3B (32 query heads, 4 kv heads, head dim 128, pages of 256)
 
 QWEN = dict(n_head=32, n_head_kv=4, dk=128, dv=128, page_tokens=256)
+# the production cut for each K/V type, and the other cuts the benchmark times (--sweep) on one type
+GPU_CASES = [("f16", att.TUNING), ("q8_0", att.TUNING), ("k8v4", att.TUNING), ("q8_0", att.Tuning(32, 256, True)),
+             ("q8_0", att.Tuning(16, 256, False)), ("q8_0", att.Tuning(16, 128, True))]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_name", ["f16", "q8_0", "k8v4"])
-def test_gpu_prefill_at_qwen3_shape(rng, kv_name):
+@pytest.mark.parametrize("kv_name, tuning", GPU_CASES)
+def test_gpu_prefill_at_qwen3_shape(rng, kv_name, tuning):
     setup = Setup(rng, kv_name, 1300, q_from=1000, **QWEN)
     positions = np.arange(1000, 1300)
-    whole = setup.prefill(positions)
+    whole = setup.prefill(positions, tuning)
     assert _relative(whole, setup.reference(positions)) < TOLERANCE
     for chunk, begin in ((1, 1100), (1, 1299), (37, 1150), (64, 1001)):
         part = np.arange(begin, min(begin + chunk, 1300))
-        np.testing.assert_array_equal(setup.prefill(part), whole[part - 1000], err_msg=f"chunk {chunk} at {begin}")
+        np.testing.assert_array_equal(setup.prefill(part, tuning), whole[part - 1000],
+                                      err_msg=f"chunk {chunk} at {begin}")
 
 
 @pytest.mark.gpu
@@ -274,14 +290,14 @@ def test_gpu_stored_bytes_at_qwen3_shape(rng, kv_name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_name", ["f16", "q8_0", "k8v4"])
-def test_gpu_decode_at_qwen3_shape(rng, kv_name):
+@pytest.mark.parametrize("kv_name, tuning", GPU_CASES)
+def test_gpu_decode_at_qwen3_shape(rng, kv_name, tuning):
     base = ATTENTION_SPLITS * 256 + 300             # 66 pages: splits 0 and 1 hold two
     setup = Setup(rng, kv_name, base + 5, q_from=base, **QWEN)
     reference = setup.reference(np.arange(base, base + 5))
-    singles = [setup.decode(np.array([p])) for p in range(base, base + 5)]
+    singles = [setup.decode(np.array([p]), tuning) for p in range(base, base + 5)]
     for window in range(1, 6):
-        partials, out = setup.decode(np.arange(base, base + window))
+        partials, out = setup.decode(np.arange(base, base + window), tuning)
         for row in range(window):
             np.testing.assert_array_equal(partials[row], singles[row][0][0], err_msg=f"window {window} row {row}")
         assert _relative(out, reference[:window]) < TOLERANCE

@@ -70,8 +70,9 @@ COMBINE_MIN_THREADS = 64
 class Tuning:
     """How an attention block is cut (results depend on `tile`: rows are bitwise stable for one tuning)."""
     tile: int = 32          # positions per K/V tile (an online-softmax step), aligned to absolute positions
-    threads: int = 256      # at most, per block
+    threads: int = 128      # at most, per block (128: two blocks of 254 registers a thread fit an SM)
     hold_q: bool = True     # a lone row keeps its query slice in registers across tiles (else reloads it)
+    shared_bytes: int = SHARED_BYTES    # static shared memory a block may use
 
 
 TUNING = Tuning()
@@ -376,23 +377,42 @@ class _Shape:
     value_roles: int    # PVR = (group / GT) * DVC
     subsets: int        # NS: token subsets of the P V sums
     segment: int        # tokens per softmax segment
+    shared_limit: int   # bytes of shared memory a block may use
 
     @property
     def k_stride(self) -> int:     # a K row in shared memory, padded so token lanes hit distinct banks
         return self.dk + 1
 
     @property
-    def scratch(self) -> int:      # floats: score partials, then the P V partials of subsets 1..NS-1
-        return max(self.group * self.tile * self.dim_chunks, max(self.subsets - 1, 1) * self.group * self.dv)
+    def score_partials(self) -> int:     # floats: a tile's 16-dim partial dot products
+        return self.group * self.tile * self.dim_chunks
+
+    @property
+    def value_partials(self) -> int:     # floats: a tile's P V sums of subsets 1..NS-1
+        return max(self.subsets - 1, 1) * self.group * self.dv
+
+    def _shared_floats(self, scratch: int) -> int:
+        return (self.tile * self.k_stride + self.tile * self.dv + scratch + self.group * self.tile
+                + 2 * self.group * (self.tile // self.segment) + 2 * MAX_WINDOW * self.group + 2 * self.group)
+
+    @property
+    def separate(self) -> bool:
+        """Whether both partials get their own shared memory (else they share it, and the next scores wait
+        for the last fold)."""
+        return 4 * self._shared_floats(self.score_partials + self.value_partials) <= self.shared_limit
+
+    @property
+    def scratch(self) -> int:
+        both = self.score_partials + self.value_partials
+        return both if self.separate else max(self.score_partials, self.value_partials)
 
     @property
     def shared_bytes(self) -> int:
-        floats = (self.tile * self.k_stride + self.tile * self.dv + self.scratch + self.group * self.tile
-                  + 2 * self.group * (self.tile // self.segment) + 2 * MAX_WINDOW * self.group + 2 * self.group)
-        return 4 * floats
+        return 4 * self._shared_floats(self.scratch)
 
 
-def _shape(group: int, dk: int, dv: int, page_tokens: int, tile: int, max_threads: int) -> _Shape:
+def _shape(group: int, dk: int, dv: int, page_tokens: int, tuning: Tuning) -> _Shape:
+    tile, max_threads = tuning.tile, tuning.threads
     tile = math.gcd(page_tokens, tile)
     gt = _largest_divisor(group, SCORE_HEADS)
     kc = dk // SCORE_DIMS
@@ -410,7 +430,7 @@ def _shape(group: int, dk: int, dv: int, page_tokens: int, tile: int, max_thread
         raise StratumError(f"attention blocks of {threads} threads cannot cover {group} query heads per kv head "
                            f"with head dims {dk}/{dv}")
     return _Shape(group, dk, dv, page_tokens, tile, gt, group // gt, kc, lanes, threads, dvt, dv // dvt, roles,
-                  subsets, segment)
+                  subsets, segment, tuning.shared_bytes)
 
 
 def _tile_io(ggml_type: T, page_tokens: int, dim: int, s: _Shape, stride: int):
@@ -500,13 +520,13 @@ def _outputs(decode: bool, group: int, dv: int, threads: int):
 
 @functools.cache
 def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, dv: int, page_tokens: int,
-                      n_head_kv: int, tuning: "Tuning"):
+                      n_head_kv: int, tuning: Tuning):
     """The attention kernel and its block's thread count (module doc)."""
-    s = _shape(group, dk, dv, page_tokens, tuning.tile, tuning.threads)
+    s = _shape(group, dk, dv, page_tokens, tuning)
     hold_q = tuning.hold_q
-    if s.shared_bytes > SHARED_BYTES:
+    if s.shared_bytes > s.shared_limit:
         raise StratumError(f"attention with {group} query heads per kv head and head dims {dk}/{dv} needs "
-                           f"{s.shared_bytes} bytes of shared memory per block (at most {SHARED_BYTES})")
+                           f"{s.shared_bytes} bytes of shared memory per block (at most {s.shared_limit})")
     T_, PT, G, GT, KC, DT = s.tile, page_tokens, group, s.score_heads, s.dim_chunks, SCORE_DIMS
     TPP = PT // T_
     LANES, GG, NT, TPL = s.lanes, s.head_groups, s.threads, s.tile // s.lanes
@@ -515,6 +535,8 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
     NSEG = T_ // SEGL
     KSTR = s.k_stride
     SCRATCH = s.scratch
+    SEPARATE = s.separate
+    VP = s.score_partials if SEPARATE else 0      # where the P V partials start in scratch
     SCORE_ROLES = SEGMENTS = G * NSEG
     K_TILE, V_TILE, PROBS, RUNNING = T_ * KSTR, T_ * dv, G * T_, MAX_WINDOW * G
     Q_REGS, ACC_REGS = GT * DT, GT * DVT
@@ -524,6 +546,32 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
     splits = ATTENTION_SPLITS
 
     state_get, state_set, finish = _outputs(decode, G, dv, NT)
+
+    @cuda.jit(device=True, inline=True)
+    def fold(out, tid, r, row, kv_head, split, v_chunk, v_heads, acc, prev, scratch, old_max, new_max, seg_sum,
+             run_max, run_sum):
+        """A row's tile into its running sums: subset 0 adds the other subsets' P V sums in order to its own
+        and to the running sum rescaled by exp(m_old - m_new); the sum of exp likewise."""
+        if tid < PVR:
+            for a in range(GT):
+                g = v_heads * GT + a
+                m_old = old_max[g]
+                alpha = math.exp(m_old - new_max[g])
+                for j in range(DVT):
+                    d = v_chunk + DVC * j
+                    total = acc[a * DVT + j]
+                    for u in range(NS - 1):
+                        total += scratch[_ix(VP + (u * G + g) * dv + d)]
+                    if m_old != NEG_INF:
+                        total = prev[a * DVT + j] * alpha + total
+                    state_set(out, row, kv_head * G + g, split, d, total)
+        if tid < G:
+            total = _ZERO
+            for k in range(NSEG):
+                total += seg_sum[tid * NSEG + k]
+            run_sum[r * G + tid] = run_sum[r * G + tid] * math.exp(old_max[tid] - new_max[tid]) + total
+            run_max[r * G + tid] = new_max[tid]
+
 
     @cuda.jit
     def kernel(q, positions, page_table, k_data, k_scales, v_data, v_scales, out):
@@ -589,9 +637,16 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
             load_k(k_data, k_scales, slot, kv_head, 0, tid, k_raw, k_raw_scales)
             load_v(v_data, v_scales, slot, kv_head, 0, tid, v_raw, v_raw_scales)
         cuda.syncthreads()
+        # phases end at a sync; a row's fold waits for the next phase (the next staging or the next scores)
+        pending = False
+        fold_r = 0
+        fold_row = 0
         for i in range(n_tiles):
             t0 = (first_page + (i // TPP) * page_step) * PT + (i % TPP) * T_
-            cuda.syncthreads()
+            if pending:
+                fold(out, tid, fold_r, fold_row, kv_head, split, v_chunk, v_heads, acc, prev, scratch, old_max,
+                     new_max, seg_sum, run_max, run_sum)
+                pending = False
             keep = last_pos - t0 + 1
             store_k(k_raw, k_raw_scales, tid, keep, k_tile)
             store_v(v_raw, v_raw_scales, tid, keep, v_tile)
@@ -605,6 +660,12 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
                 row = row0 + r
                 pos = positions[row]
                 if pos >= t0:
+                    if pending:
+                        fold(out, tid, fold_r, fold_row, kv_head, split, v_chunk, v_heads, acc, prev, scratch,
+                             old_max, new_max, seg_sum, run_max, run_sum)
+                        pending = False
+                        if not SEPARATE:
+                            cuda.syncthreads()
                     # scores: 16-dim partial dot products of GT heads with this lane's tokens
                     if i == 0 or n_rows > 1 or not hold_q:
                         for a in range(GT):
@@ -674,32 +735,16 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
                         if subset > 0:
                             for a in range(GT):
                                 for j in range(DVT):
-                                    scratch[_ix(((subset - 1) * G + v_heads * GT + a) * dv + v_chunk + DVC * j)] = \
+                                    scratch[_ix(VP + ((subset - 1) * G + v_heads * GT + a) * dv + v_chunk + DVC * j)] = \
                                         acc[a * DVT + j]
                     cuda.syncthreads()
-                    # subset 0 adds the others in order and folds the tile into the row's running sum
-                    if tid < PVR:
-                        for a in range(GT):
-                            g = v_heads * GT + a
-                            m_old = old_max[g]
-                            alpha = math.exp(m_old - new_max[g])
-                            for j in range(DVT):
-                                d = v_chunk + DVC * j
-                                total = acc[a * DVT + j]
-                                for u in range(NS - 1):
-                                    total += scratch[_ix((u * G + g) * dv + d)]
-                                if m_old != NEG_INF:
-                                    total = prev[a * DVT + j] * alpha + total
-                                state_set(out, row, kv_head * G + g, split, d, total)
-                    if tid < G:
-                        m_old = old_max[tid]
-                        total = _ZERO
-                        for k in range(NSEG):
-                            total += seg_sum[tid * NSEG + k]
-                        run_sum[r * G + tid] = run_sum[r * G + tid] * math.exp(m_old - new_max[tid]) + total
-                        run_max[r * G + tid] = new_max[tid]
-                    cuda.syncthreads()
+                    pending = True
+                    fold_r = r
+                    fold_row = row
 
+        if pending:
+            fold(out, tid, fold_r, fold_row, kv_head, split, v_chunk, v_heads, acc, prev, scratch, old_max, new_max,
+                 seg_sum, run_max, run_sum)
         cuda.syncthreads()
         finish(out, tid, row0, n_rows, kv_head, split, run_max, run_sum)
 
@@ -718,7 +763,7 @@ def _check_attention(family: str, n_head: int, n_head_kv: int, head_dim_k: int, 
 
 
 def _attention_launch(family: str, kv_type_name, n_head: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
-                      page_tokens: int, tuning: "Tuning"):
+                      page_tokens: int, tuning: Tuning):
     kv = _kv(kv_type_name)
     _check_attention(family, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens)
     decode = family == "decode"
