@@ -92,6 +92,7 @@ def hparams_from_metadata(metadata: dict, source: str, vocab_from_tensors: int |
     if architecture == "qwen3moe":
         values["n_nextn"], values["n_leading_dense"], values["n_expert_shared"] = 0, 0, 0
         values["expert_weights_norm"] = True   # qwen3moe always renormalises its top-k weights
+        values["expert_weights_scale"] = 1.0   # and llama.cpp applies no weight scale to it
     if values["expert_weights_norm"] is None:
         values["expert_weights_norm"] = False
     if values["n_head"] == 0:

@@ -32,7 +32,7 @@ from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower.weights import QUANT_BLOCK, PackedWeight, quantize, unpack
-from codegen.lower.weights import _check as _check_kernel_type     # the types and row lengths kernels read
+from codegen.lower.weights import check_kernel_type
 from planner.architecture import (EXPERT_ROLES, SUPPORTED_ARCHITECTURES, HParams, hparams_from_metadata,
                                   tensor_layer, tensor_layout, tensor_role)
 from planner.errors import StratumError
@@ -123,7 +123,7 @@ def random_packed(shape, ggml_type, rng: np.random.Generator, std: float | None 
     pass: fast for GBs). Values have standard deviation `std` (default 1/sqrt(n_in)): F32/F16/BF16 normal;
     Q8_0 quants uniform in [-127, 127], Q4_0 nibbles uniform, with float16 block scales around that size."""
     ggml_type, shape = T(ggml_type), tuple(int(d) for d in shape)
-    _check_kernel_type(ggml_type, shape)
+    check_kernel_type(ggml_type, shape)
     std = 1.0 / math.sqrt(shape[-1]) if std is None else std
     if ggml_type in (T.F32, T.F16, T.BF16):
         values = rng.standard_normal(shape, dtype=np.float32)
@@ -213,7 +213,7 @@ def _type_resolver(types: dict | None, roles: set):
         else:
             group = "experts" if role in EXPERT_ROLES else "dense"
             ggml_type = parsed.get(group, parsed.get("default", fallback))
-        _check_kernel_type(ggml_type, shape)
+        check_kernel_type(ggml_type, shape)
         return ggml_type
     return resolve
 

@@ -4,7 +4,6 @@ Kernels run in numba's CUDA simulator here (tiny shapes: the simulator runs ever
 the `gpu` tests repeat them at Qwen3-30B-A3B's shape on a real GPU (NUMBA_ENABLE_CUDASIM=0 pytest -m gpu).
 """
 
-import sys
 
 import numpy as np
 import pytest
@@ -21,16 +20,6 @@ from runtime.reference import attention, kv_round
 
 KV_NAMES = ("f32", "f16", "q8_0", "q4_0", "k8v4")
 TOLERANCE = 1e-5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def short_thread_switches():
-    """The simulator's block manager polls its threads while it holds the GIL; switching threads every 10 us
-    rather than every 5 ms makes these tests about ten times faster."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    yield
-    sys.setswitchinterval(before)
 
 
 def _relative(got, ref):

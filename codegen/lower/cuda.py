@@ -23,7 +23,10 @@ def available() -> bool:
 
 
 def device_name() -> str:
-    return "numba CUDA simulator (CPU)" if SIMULATOR else cuda.get_current_device().name.decode()
+    if SIMULATOR:
+        return "numba CUDA simulator (CPU)"
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else name
 
 
 if SIMULATOR:

@@ -40,7 +40,8 @@ class PackedWeight:
         return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
 
-def _check(ggml_type: T, shape: tuple) -> None:
+def check_kernel_type(ggml_type: T, shape: tuple) -> None:
+    """Refuse a type no kernel reads, or a quantized row that is not whole blocks."""
     if ggml_type not in KERNEL_TYPES:
         raise StratumError(f"tensor type {ggml_type.name} has no kernel yet; the kernels read "
                            f"{', '.join(t.name for t in KERNEL_TYPES)}")
@@ -51,7 +52,7 @@ def _check(ggml_type: T, shape: tuple) -> None:
 def pack(raw: np.ndarray, ggml_type: T, shape: tuple) -> PackedWeight:
     """Repack one tensor's GGUF data (any dtype; its bytes are read as stored) of numpy `shape`."""
     ggml_type, shape = T(ggml_type), tuple(int(d) for d in shape)
-    _check(ggml_type, shape)
+    check_kernel_type(ggml_type, shape)
     raw_bytes = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     expected = int(np.prod(shape)) // block_size * type_size
@@ -82,7 +83,7 @@ def quantize(values: np.ndarray, ggml_type: T) -> PackedWeight:
     """Float values quantized as gguf-py (bit-exact with ggml) does, then packed: how tests make weights."""
     ggml_type = T(ggml_type)
     values = np.ascontiguousarray(values, dtype=np.float32)
-    _check(ggml_type, values.shape)
+    check_kernel_type(ggml_type, values.shape)
     return pack(quants.quantize(values, ggml_type), ggml_type, values.shape)
 
 
