@@ -17,10 +17,13 @@ fraction of bandwidth the FMA peak measured here allows (w = 4 cannot reach 60% 
 Versions (decode):
   v1  one thread per (row, query head) over every key, online softmax per key: 32 threads for one row
   v2  the keys split into the 64 page sets (a thread per row, head and set) + the combine kernel
-  v3  production: a block per (kv head, page set) for every head of the group and every row of the window;
-      tiles of K/V dequantized once into shared memory (the next tile's words in flight meanwhile), 16-dim
-      query slices in registers against each K row, P V over 4 token subsets (codegen.lower.attention)
-With --sweep, v3 is timed under other block cuts (`attention.Tuning`) as well.
+  v3  a block per (kv head, page set) for every head of the group and every row of the window; tiles of K/V
+      dequantized once into shared memory (the next tile's words in flight meanwhile), 16-dim query slices in
+      registers against each K row, P V over 4 token subsets; values unpacked from words in software
+      (codegen.lower.attention with Tuning(convert=frozenset()))
+  v4  production: v3 with f16 (and f32) tiles read through a float16 view, converted by hardware (one cvt
+      a value instead of ~12 instructions); "v4 +q8" converts q8_0 too (int8 view, I2F, times the scale)
+With --sweep, v4 is timed under other block cuts (`attention.Tuning`) as well.
 """
 
 import math
@@ -44,7 +47,11 @@ DECODE_KV = ("f16", "q8_0")
 WINDOWS = (1, 4)
 PREFILL_CHUNKS = (512, 2048)
 CHECK_ROWS = 32                 # prefill rows checked against float64 (the chunk's last)
-SWEEP = (att.Tuning(32, 256, True), att.Tuning(16, 256, False), att.Tuning(16, 128, True))
+SOFTWARE = att.Tuning(convert=frozenset())
+ALL_CONVERTED = frozenset(att._VIEWS)
+VERSIONS = {"v3": SOFTWARE, "v4": att.TUNING, "v4 +q8": att.Tuning(convert=ALL_CONVERTED)}
+SWEEP = (att.Tuning(32, 256), att.Tuning(16, 256, False), att.Tuning(16, 128),
+         att.Tuning(16, 256, False, convert=ALL_CONVERTED), att.Tuning(32, 256, convert=ALL_CONVERTED))
 FLOPS_PER_HEAD_TOKEN = 2 * (QWEN3_30B["dk"] + QWEN3_30B["dv"])
 
 
@@ -214,7 +221,7 @@ def _simple_decode(kv_name: str, split: bool):
     return launch
 
 
-def decode_runs(layers: Layers, rows: int, version: str, tuning=att.TUNING):
+def decode_runs(layers: Layers, rows: int, version: str, tuning: att.Tuning):
     """(enqueue functions, one per layer, and the output array of layer 0) for a decode window of `rows`."""
     s = QWEN3_30B
     positions = cuda.to_device(np.arange(layers.context - rows, layers.context, dtype=np.int32))
@@ -238,7 +245,7 @@ def decode_runs(layers: Layers, rows: int, version: str, tuning=att.TUNING):
 
 
 def decode_row(layers: Layers, rows: int, version: str, label: str, bandwidth: float, peak: float,
-               tuning=att.TUNING) -> list:
+               tuning: att.Tuning) -> list:
     enqueues, out = decode_runs(layers, rows, version, tuning)
     enqueues[0](cuda.default_stream())
     got = out.copy_to_host()
@@ -259,12 +266,16 @@ def decode_versions(rng, bandwidth: float, peak: float, sweep: bool) -> None:
     for kv_name in DECODE_KV:
         layers = Layers(rng, kv_name, CONTEXT, max(WINDOWS))
         for window in WINDOWS:
-            for version in ("v1", "v2", "v3") if window == 1 else ("v2", "v3"):    # v1 takes ~1 s a launch
-                rows.append(decode_row(layers, window, version, version, bandwidth, peak))
+            for version in ("v1", "v2") if window == 1 else ("v2",):    # v1 takes ~1 s a launch
+                rows.append(decode_row(layers, window, version, version, bandwidth, peak, att.TUNING))
+            for label, tuning in VERSIONS.items():
+                if label != "v4 +q8" or kv_name == "q8_0":
+                    rows.append(decode_row(layers, window, "tiled", label, bandwidth, peak, tuning))
             if sweep:
                 for tuning in SWEEP:
-                    label = f"v3 {tuning.tile} x{tuning.threads}{' hold q' if tuning.hold_q else ''}"
-                    rows.append(decode_row(layers, window, "v3", label, bandwidth, peak, tuning))
+                    label = (f"v4 {tuning.tile} x{tuning.threads}{' hold q' if tuning.hold_q else ''}"
+                             f"{' +q8' if T.Q8_0 in tuning.convert else ''}")
+                    rows.append(decode_row(layers, window, "tiled", label, bandwidth, peak, tuning))
         del layers
     print_table(f"decode attention, {CONTEXT} tokens of K/V, partials + combine (target >= 60% BW)", DECODE_HEADER,
                 rows)

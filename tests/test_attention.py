@@ -206,6 +206,23 @@ def test_prefill_with_one_buffer_for_both_partials(rng):
     assert _relative(got, setup.reference(positions)) < TOLERANCE
 
 
+@pytest.mark.parametrize("kv_name", KV_NAMES)
+def test_hardware_and_software_conversion_agree_bitwise(rng, kv_name):
+    """Tiles read through typed views (converted by hardware) hold the values the software unpacking gives, so
+    every result is bitwise the same, prefill and decode."""
+    setup = Setup(rng, kv_name, 21, n_head=2, n_head_kv=1)
+    software = att.Tuning(convert=frozenset())
+    hardware = att.Tuning(convert=frozenset(att._VIEWS))
+    positions = np.arange(9, 21)
+    np.testing.assert_array_equal(setup.prefill(positions, hardware), setup.prefill(positions, software))
+    np.testing.assert_array_equal(setup.decode(positions[-3:], hardware)[0], setup.decode(positions[-3:], software)[0])
+
+
+def test_hardware_conversion_of_other_types_is_refused():
+    with pytest.raises(StratumError, match="not Q4_0"):
+        att._attention_launch("decode", "q4_0", 2, 1, 32, 32, 4, att.Tuning(convert=frozenset({T.Q4_0})))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # decode
 
@@ -255,8 +272,11 @@ def test_decode_refuses_windows_over_the_maximum(rng):
 
 QWEN = dict(n_head=32, n_head_kv=4, dk=128, dv=128, page_tokens=256)
 # the production cut for each K/V type, and the other cuts the benchmark times (--sweep) on one type
-GPU_CASES = [("f16", att.TUNING), ("q8_0", att.TUNING), ("k8v4", att.TUNING), ("q8_0", att.Tuning(32, 256, True)),
-             ("q8_0", att.Tuning(16, 256, False)), ("q8_0", att.Tuning(16, 128, True))]
+SOFTWARE = att.Tuning(convert=frozenset())                  # the production cut before hardware conversion
+Q8_HARDWARE = att.Tuning(convert=frozenset(att._VIEWS))
+GPU_CASES = [("f16", att.TUNING), ("q8_0", att.TUNING), ("k8v4", att.TUNING), ("f16", SOFTWARE),
+             ("q8_0", Q8_HARDWARE), ("f16", att.Tuning(32, 256)), ("f16", att.Tuning(16, 256, False)),
+             ("q8_0", att.Tuning(16, 256, False, convert=Q8_HARDWARE.convert))]
 
 
 @pytest.mark.gpu

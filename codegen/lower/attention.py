@@ -19,7 +19,8 @@ Nothing is added or dropped: the bytes are the planner's n_slots * page_tokens *
 Attention (both families) runs one block per (kv head, set of pages, set of rows); the block walks its pages
 in tiles of `Tuning.tile` positions aligned to absolute positions, ascending. A tile's K and V are dequantized once
 into shared memory (the next tile's raw words are already in flight, loaded into registers while this one is
-computed) and serve every query head of the kv head's group and every row of the block:
+computed; f16 and f32 through a typed view of the words, so the hardware converts each value in one
+instruction) and serve every query head of the kv head's group and every row of the block:
   scores   each thread keeps 16 dims of 4 query heads in registers and dots them with its tokens' K;
            the 16-dim partial sums are added in dim order by one thread per (head, token);
   softmax  online over tiles: per head the tile's max, the running max, exp, and the tile's sum, each in a
@@ -73,6 +74,9 @@ class Tuning:
     threads: int = 128      # at most, per block (128: two blocks of 254 registers a thread fit an SM)
     hold_q: bool = True     # a lone row keeps its query slice in registers across tiles (else reloads it)
     shared_bytes: int = SHARED_BYTES    # static shared memory a block may use
+    # types whose tiles are read as elements through a typed view of the words (float32, float16, int8) and
+    # converted by hardware (one cvt each); the others as words unpacked in software (the same values)
+    convert: frozenset = frozenset({T.F32, T.F16})
 
 
 TUNING = Tuning()
@@ -247,6 +251,19 @@ def _element(ggml_type: T):
         def value(word, e, scale):
             nibble = (word >> (8 * (e % 4) + 4 * (e // 4))) & 0xF
             return (bits_to_f32(np.int32(_MAGIC | nibble)) - _MAGIC_Q4) * scale
+    return cuda.jit(device=True, inline=True)(dim), cuda.jit(device=True, inline=True)(value)
+
+
+def _converted_element(ggml_type: T):
+    """_element for a typed view (one element a word): the hardware converts it, times the block scale."""
+    quantized = ggml_type in _QUANTIZED
+
+    def dim(w, e):
+        return w
+
+    def value(element, e, scale):
+        converted = np.float32(element)
+        return converted * scale if quantized else converted
     return cuda.jit(device=True, inline=True)(dim), cuda.jit(device=True, inline=True)(value)
 
 
@@ -433,13 +450,30 @@ def _shape(group: int, dk: int, dv: int, page_tokens: int, tuning: Tuning) -> _S
                   subsets, segment, tuning.shared_bytes)
 
 
-def _tile_io(ggml_type: T, page_tokens: int, dim: int, s: _Shape, stride: int):
-    """(load, store, words per thread) for one tensor's tile: load(data, scales, slot, head, first, tid, raw,
-    raw_scales) issues the loads of a tile's words into registers; store(raw, raw_scales, tid, keep, buf)
-    writes them dequantized to buf[token * stride + dim] (zeros for tokens >= keep: never written).
+_VIEWS = {T.F32: np.float32, T.F16: np.float16, T.Q8_0: np.int8}     # element views converted by hardware
+
+
+def _converts(ggml_type: T, tuning: Tuning) -> bool:
+    if not tuning.convert <= _VIEWS.keys():
+        raise StratumError(f"hardware conversion covers {', '.join(t.name for t in _VIEWS)}, not "
+                           f"{', '.join(t.name for t in tuning.convert - _VIEWS.keys())}")
+    return ggml_type in tuning.convert
+
+
+def _data_view(data, ggml_type: T, tuning: Tuning):
+    """The data array as the kernel reads it: a typed view of the same bytes where hardware converts."""
+    return data.view(_VIEWS[ggml_type]) if _converts(ggml_type, tuning) else data
+
+
+def _tile_io(ggml_type: T, page_tokens: int, dim: int, s: _Shape, stride: int, convert: bool):
+    """(load, store, words per thread, register dtype) for one tensor's tile: load(data, scales, slot, head,
+    first, tid, raw, raw_scales) issues the loads of a tile's words into registers; store(raw, raw_scales, tid,
+    keep, buf) writes them dequantized to buf[token * stride + dim] (zeros for tokens >= keep: never written).
     Thread tid holds words w0 + a * WT of tokens t0 + b * TT (w0, t0 = tid % WT, tid // WT), so its loads
-    and stores are one base address plus constants."""
-    per_word = _ELEMENTS_PER_WORD[ggml_type]
+    and stores are one base address plus constants. With `convert`, a word is one element of a typed view
+    (float32, float16, int8), turned to float32 by one conversion instruction."""
+    per_word = 1 if convert else _ELEMENTS_PER_WORD[ggml_type]
+    register = (np.int32 if ggml_type == T.Q8_0 else _VIEWS[ggml_type]) if convert else np.int32
     row_words = dim // per_word
     wt = min(s.threads, row_words)
     tt = s.threads // wt
@@ -451,7 +485,7 @@ def _tile_io(ggml_type: T, page_tokens: int, dim: int, s: _Shape, stride: int):
     quantized = ggml_type in _QUANTIZED
     words_per_block = QUANT_BLOCK // per_word
     blocks_per_row = dim // QUANT_BLOCK
-    element_dim, element_value = _element(ggml_type)
+    element_dim, element_value = _converted_element(ggml_type) if convert else _element(ggml_type)
 
     @cuda.jit(device=True, inline=True)
     def load(data, scales, slot, head, first, tid, raw, raw_scales):
@@ -477,7 +511,7 @@ def _tile_io(ggml_type: T, page_tokens: int, dim: int, s: _Shape, stride: int):
                         if t0 + b * tt < keep:
                             value = element_value(raw[b * n_a + a], e, raw_scales[b * n_a + a])
                         buf[_ix((t0 + b * tt) * stride + element_dim(w0 + a * wt, e))] = value
-    return load, store, per_thread
+    return load, store, per_thread, register
 
 
 def _outputs(decode: bool, group: int, dv: int, threads: int):
@@ -541,8 +575,8 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
     K_TILE, V_TILE, PROBS, RUNNING = T_ * KSTR, T_ * dv, G * T_, MAX_WINDOW * G
     Q_REGS, ACC_REGS = GT * DT, GT * DVT
     scale = np.float32(1.0 / math.sqrt(dk))
-    load_k, store_k, WK = _tile_io(k_type, PT, dk, s, KSTR)
-    load_v, store_v, WV = _tile_io(v_type, PT, dv, s, dv)
+    load_k, store_k, WK, K_REG = _tile_io(k_type, PT, dk, s, KSTR, _converts(k_type, tuning))
+    load_v, store_v, WV, V_REG = _tile_io(v_type, PT, dv, s, dv, _converts(v_type, tuning))
     splits = ATTENTION_SPLITS
 
     state_get, state_set, finish = _outputs(decode, G, dv, NT)
@@ -622,9 +656,9 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
         v_chunk = tid % DVC
         v_heads = (tid // DVC) % GG
         subset = tid // PVR
-        k_raw = cuda.local.array(WK, np.int32)
+        k_raw = cuda.local.array(WK, K_REG)
         k_raw_scales = cuda.local.array(WK, np.float32)
-        v_raw = cuda.local.array(WV, np.int32)
+        v_raw = cuda.local.array(WV, V_REG)
         v_raw_scales = cuda.local.array(WV, np.float32)
         q_regs = cuda.local.array(Q_REGS, np.float32)
         k_vals = cuda.local.array(DT, np.float32)
@@ -780,7 +814,9 @@ def _attention_launch(family: str, kv_type_name, n_head: int, n_head_kv: int, he
         else:
             blocks = -(-rows // MAX_WINDOW) * n_head_kv
         if rows:
-            kernel[blocks, threads, stream](q, positions, page_table, *pages.arrays(), out)
+            kernel[blocks, threads, stream](q, positions, page_table, _data_view(pages.k_data, kv.k_type, tuning),
+                                            pages.k_scales, _data_view(pages.v_data, kv.v_type, tuning),
+                                            pages.v_scales, out)
     return launch
 
 
