@@ -1,0 +1,542 @@
+"""Matmul kernels: dense (bias fused) and SwiGLU gate/up, in both families; the two cores below also run the
+routed-expert kernels of `codegen.lower.moe` (re-exported here).
+
+Weights are read as 32-bit words of their packed layout (`codegen.lower.weights`): a word holds 1 (F32),
+2 (F16, BF16), 4 (Q8_0) or 8 (Q4_0) values, which `FORMATS` decodes exactly and cheaply: a quant's bit field
+is or-ed into the mantissa of a float whose exponent makes its lowest bit weigh 1, and one float subtraction
+leaves the quant (no int-to-float conversion, and for most fields no shift); f16 moves its bits into a float32
+scaled by 2^112 (exact for every finite value). A quantized block's scale multiplies after the block's
+products are summed. Everything is float32; each output is accumulated in one fixed order. Hot-loop indices
+are unsigned and thread ids masked (IDX): numba then emits no negative-index fix-ups, and shared tiles read
+as float4.
+
+decode family (rows <= MAX_WINDOW, memory-bound): a group of `tg` threads owns `nr` weight rows; its lanes
+  read consecutive chunks of `cw` words of each row (coalesced, `unroll` chunks in flight per lane), decode
+  them once into registers, and apply them to every window row (activations read through L1). Each lane's
+  partial sums, in chunk order, meet in a fixed shared-memory tree. A window row's result is computed by the
+  same operations whatever the window holds, and each weight is read once per window.
+prefill family (compute-bound): a 256-thread block computes a bm x 128 tile (8 x 8 or 4 x 8 register tiles
+  per thread) over k in ascending 16-wide steps, no split-k; activations and dequantized float32 weights go
+  through double-buffered, 16-byte aligned shared tiles read with 128-bit loads. The tile's rows are a list
+  (a chunk's rows, or an expert's gathered pairs), so every output's sum is the same for any chunk size.
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType as T
+
+from codegen.lower import FAMILIES, MAX_WINDOW
+from codegen.lower.cuda import SIMULATOR, bits_to_f32, cuda, f32_to_bits
+from codegen.lower.weights import KERNEL_TYPES, QUANT_BLOCK
+
+MW = MAX_WINDOW
+ALIGN = None if SIMULATOR else 16      # shared tiles read as float4 (the simulator takes no alignment)
+IDX = 1023                             # thread ids masked with this are provably >= 0: no wraparound code
+BIDX = 0x7FFFFFFF
+U = np.uint64                          # hot-loop indices cast to unsigned: numba adds no negative-index code
+
+_F16_SCALE = np.float32(2.0 ** 112)     # f16 bits << 13 read as float32, times this, is the f16 value
+_HIGH_HALF = np.int32(-65536)           # 0xFFFF0000
+
+
+def _magic(p: int) -> int:
+    """float32 bits of 2^(23 - p): a bit field starting at bit p of the mantissa then weighs exactly 1."""
+    return (150 - p) << 23
+
+
+def _field(p: int, width: int, offset: int):
+    """(mask, magic bits, bias) reading the `width`-bit field at bit p as the integer value - offset:
+    float(bits((word & mask) | magic)) - bias, exact (the field sits in the mantissa, bit p weighs 1)."""
+    return np.int32(((1 << width) - 1) << p), np.int32(_magic(p)), np.float32(2.0 ** (23 - p) + offset)
+
+
+# Q8_0: bytes 0 and 1 in place, 2 and 3 after one shift; the xor flips their sign bit (quant + 128)
+_B0, _, _B0_BIAS = _field(0, 8, 128)
+_B1, _, _B1_BIAS = _field(8, 8, 128)
+_B0_FLIP, _B1_FLIP = np.int32(0x80 | _magic(0)), np.int32(0x8000 | _magic(8))   # (w & mask) ^ flip: both at once
+# Q4_0: nibbles at bits 0, 4, 8, 12, 16 in place, those at 20, 24, 28 after one shift by 12
+_N = {p: _field(p, 4, 8) for p in (0, 4, 8, 12, 16)}
+
+
+@cuda.jit(device=True, inline=True)
+def _f32(word, vals, i, base):
+    vals[i, base] = bits_to_f32(word)
+
+
+@cuda.jit(device=True, inline=True)
+def _f16(word, vals, i, base):
+    for v in range(2):
+        h = (word >> np.int32(16 * v)) & np.int32(0xFFFF)
+        mag = bits_to_f32((h & np.int32(0x7FFF)) << np.int32(13)) * _F16_SCALE
+        vals[i, base + v] = bits_to_f32(f32_to_bits(mag) | ((h & np.int32(0x8000)) << np.int32(16)))
+
+
+@cuda.jit(device=True, inline=True)
+def _bf16(word, vals, i, base):
+    vals[i, base] = bits_to_f32(word << np.int32(16))
+    vals[i, base + 1] = bits_to_f32(word & _HIGH_HALF)
+
+
+@cuda.jit(device=True, inline=True)
+def _q8_0(word, vals, i, base):
+    high = word >> np.int32(16)
+    vals[i, base] = bits_to_f32((word & _B0) ^ _B0_FLIP) - _B0_BIAS
+    vals[i, base + 1] = bits_to_f32((word & _B1) ^ _B1_FLIP) - _B1_BIAS
+    vals[i, base + 2] = bits_to_f32((high & _B0) ^ _B0_FLIP) - _B0_BIAS
+    vals[i, base + 3] = bits_to_f32((high & _B1) ^ _B1_FLIP) - _B1_BIAS
+
+
+_N0, _N4, _N8, _N12, _N16 = (_N[p] for p in (0, 4, 8, 12, 16))
+
+
+@cuda.jit(device=True, inline=True)
+def _q4_0(word, vals, i, base):
+    # byte j of a block holds value j (low nibble) and j + 16 (high): vals = 4 low nibbles, then 4 high
+    high = word >> np.int32(12)
+    vals[i, base] = bits_to_f32((word & _N0[0]) | _N0[1]) - _N0[2]
+    vals[i, base + 4] = bits_to_f32((word & _N4[0]) | _N4[1]) - _N4[2]
+    vals[i, base + 1] = bits_to_f32((word & _N8[0]) | _N8[1]) - _N8[2]
+    vals[i, base + 5] = bits_to_f32((word & _N12[0]) | _N12[1]) - _N12[2]
+    vals[i, base + 2] = bits_to_f32((word & _N16[0]) | _N16[1]) - _N16[2]
+    vals[i, base + 6] = bits_to_f32((high & _N8[0]) | _N8[1]) - _N8[2]
+    vals[i, base + 3] = bits_to_f32((high & _N12[0]) | _N12[1]) - _N12[2]
+    vals[i, base + 7] = bits_to_f32((high & _N16[0]) | _N16[1]) - _N16[2]
+
+
+@cuda.jit(device=True, inline=True)
+def _elem_plain(word_index, v, vpw):
+    return word_index * vpw + v
+
+
+@cuda.jit(device=True, inline=True)
+def _elem_q4_0(word_index, v, vpw):
+    # shifts and masks, not // and %: indices are >= 0, and the compiler then adds no sign fix-ups
+    return ((word_index >> 2) << 5) + ((word_index & 3) << 2) + (v & 3) + ((v >> 2) << 4)
+
+
+class Format(NamedTuple):
+    vpw: int            # values per 32-bit word
+    wps: int            # words per scale (0: no scales)
+    decode: object      # device fn (word, vals, i, base): vals[i, base:base + vpw] = the word's values
+    elem: object        # device fn (word index in row, v, vpw) -> the value's index in the row
+    slice_words: int    # words holding a 16-wide k slice (Q4_0: a half block's values sit in all 4 words)
+
+
+FORMATS = {
+    T.F32: Format(1, 0, _f32, _elem_plain, 16),
+    T.F16: Format(2, 0, _f16, _elem_plain, 8),
+    T.BF16: Format(2, 0, _bf16, _elem_plain, 8),
+    T.Q8_0: Format(4, 8, _q8_0, _elem_plain, 4),
+    T.Q4_0: Format(8, 4, _q4_0, _elem_q4_0, 4),
+}
+
+
+def check(family: str, ggml_type, n_in: int, n_out: int) -> Format:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; expected one of {FAMILIES}")
+    ggml_type = T(ggml_type)
+    if ggml_type not in KERNEL_TYPES:
+        raise ValueError(f"no matmul kernel for {ggml_type.name}; they read {[t.name for t in KERNEL_TYPES]}")
+    if n_in <= 0 or n_out <= 0 or n_in % QUANT_BLOCK:
+        raise ValueError(f"matmul {n_out} x {n_in}: inputs must be a positive multiple of {QUANT_BLOCK}")
+    return FORMATS[ggml_type]
+
+
+def words(weight):
+    """(flat int32 words, flat float16 scales) of a DeviceWeight: the arrays every kernel reads."""
+    return weight.data.reshape(-1).view(np.int32), weight.scales.reshape(-1)
+
+
+@cuda.jit(device=True, inline=True)
+def silu(g):
+    return g / (np.float32(1) + math.exp(-g))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decode core
+
+
+MAX_UNROLL = 4
+
+
+class DecodeShape(NamedTuple):
+    tg: int         # threads of a group (a power of two)
+    groups: int     # groups in a block
+    nr: int         # weight rows of a group (per matrix)
+    cw: int         # words a lane reads per chunk (one scale)
+    unroll: int     # chunks in flight per lane
+
+
+def chunk_words(fmt: Format) -> int:
+    return 1 if fmt.vpw == 8 else 2
+
+
+def decode_shape(fmt: Format, n_in: int, n_out: int) -> DecodeShape:
+    """A warp per 2 rows while that makes >= 1024 warps; fewer rows than that get more lanes per row (up
+    to 128, and no more than the row has chunks). 2 chunks per lane in flight, 2 more loading ahead."""
+    nr, cw = 2, chunk_words(fmt)
+    chunks = n_in // fmt.vpw // cw
+    groups = -(-n_out // nr)
+    tg = 32
+    while tg < 128 and tg < chunks and groups * tg < 32 * 1024:
+        tg *= 2
+    return DecodeShape(tg, 256 // tg, nr, cw, min(-(-chunks // tg), 2))
+
+
+@functools.cache
+def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unroll: int):
+    """(dot, reduce) device functions for groups of `tg` lanes over `n_a` rows of matrix a and `n_b` of b.
+
+    dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc): the lane's partial sums
+      acc[i, r] of weight row i (rows row_a.. of a, then row_b.. of b; clamped to last_*) with activation
+      row xrow[r] of x, r < nx (nothing, not even a load, when nx is 0).
+    reduce(red, g, lane, acc, nx): group g's lanes summed in a fixed tree: totals in red[g, i * MW + r, 0].
+    """
+    if not 1 <= unroll <= MAX_UNROLL:
+        raise ValueError(f"unroll {unroll}: 1..{MAX_UNROLL} chunks in flight")
+    fmt = FORMATS[T(ggml_type)]
+    vpw, wps, decode, elem = fmt.vpw, fmt.wps, fmt.decode, fmt.elem
+    wpr = n_in // vpw
+    spr = wpr // wps if wps else 0
+    chunks = wpr // cw
+    iters = -(-chunks // tg)
+    padded = -(-iters // unroll) * unroll
+    full = chunks % tg == 0 and iters % unroll == 0
+    nw, m = n_a + n_b, cw * vpw
+    levels = tg.bit_length() - 1
+    wps_u = U(max(wps, 1))
+
+    @cuda.jit(device=True, inline=True)
+    def apply(u, it, held, scale, vals, xv, x, xrow, nx, lane, acc):
+        """Chunk u of the group in flight: decode its words once, then apply them to every window row."""
+        c = (it + u) * tg + lane
+        if full or c < chunks:
+            for i in range(nw):
+                for q in range(cw):
+                    decode(held[u, i, q], vals, i, q * vpw)
+            for r in range(MW):
+                if r < nx:
+                    xr = U(xrow[r])
+                    for q in range(cw):
+                        for v in range(vpw):
+                            xv[q * vpw + v] = x[xr, U(elem(c * cw + q, v, vpw))]
+                    for i in range(nw):
+                        p = vals[i, 0] * xv[0]
+                        for e in range(1, m):
+                            p += vals[i, e] * xv[e]
+                        if wps:
+                            acc[i, r] += scale[u, i] * p
+                        else:
+                            acc[i, r] += p
+
+    @cuda.jit(device=True, inline=True)
+    def fetch(it, wa, sa, wb, sb, woff, lane, held, scale):
+        """Load the words (and scales) of chunks it..it + unroll - 1 of the group's rows."""
+        for u in range(unroll):
+            c = (it + u) * tg + lane
+            if full or c < chunks:
+                for i in range(nw):
+                    wsrc, ssrc = (wa, sa) if i < n_a else (wb, sb)
+                    for q in range(cw):
+                        held[u, i, q] = wsrc[U(woff[i] * wpr + c * cw + q)]
+                    if wps:
+                        scale[u, i] = np.float32(ssrc[U(woff[i] * spr) + U(c * cw) // wps_u])
+
+    @cuda.jit(device=True, inline=True)
+    def dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc):
+        for i in range(nw):
+            for r in range(MW):
+                acc[i, r] = np.float32(0)
+        if nx > 0:
+            woff = cuda.local.array(nw, np.int64)
+            for i in range(nw):
+                if i < n_a:
+                    woff[i] = min(row_a + i, last_a)
+                else:
+                    woff[i] = min(row_b + i - n_a, last_b)
+            held = cuda.local.array((unroll, nw, cw), np.int32)
+            scale = cuda.local.array((unroll, nw), np.float32)
+            ahead = cuda.local.array((unroll, nw, cw), np.int32)
+            ahead_scale = cuda.local.array((unroll, nw), np.float32)
+            vals = cuda.local.array((nw, m), np.float32)
+            xv = cuda.local.array(m, np.float32)
+            fetch(0, wa, sa, wb, sb, woff, lane, held, scale)
+            for it in range(0, padded, unroll):
+                # the next chunks' loads go out before these chunks' arithmetic: loads always in flight
+                if it + unroll < padded:
+                    fetch(it + unroll, wa, sa, wb, sb, woff, lane, ahead, ahead_scale)
+                # written out, not a loop: the compiler would not unroll a loop this big, and the chunks'
+                # registers must be indexed by constants
+                apply(0, it, held, scale, vals, xv, x, xrow, nx, lane, acc)
+                if unroll > 1:
+                    apply(1, it, held, scale, vals, xv, x, xrow, nx, lane, acc)
+                if unroll > 2:
+                    apply(2, it, held, scale, vals, xv, x, xrow, nx, lane, acc)
+                if unroll > 3:
+                    apply(3, it, held, scale, vals, xv, x, xrow, nx, lane, acc)
+                for u in range(unroll):
+                    for i in range(nw):
+                        for q in range(cw):
+                            held[u, i, q] = ahead[u, i, q]
+                        scale[u, i] = ahead_scale[u, i]
+
+    @cuda.jit(device=True, inline=True)
+    def reduce(red, g, lane, acc, nx):
+        for i in range(nw):
+            for r in range(MW):
+                if r < nx:
+                    red[g, i * MW + r, lane] = acc[i, r]
+        for level in range(levels):
+            stride = tg >> (level + 1)
+            cuda.syncthreads()
+            if lane < stride:
+                for i in range(nw):
+                    for r in range(MW):
+                        if r < nx:
+                            red[g, i * MW + r, lane] += red[g, i * MW + r, lane + stride]
+        cuda.syncthreads()
+
+    return dot, reduce
+
+
+@functools.cache
+def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeShape):
+    """launch(stream, x, wa, sa, wb, sb, b, out): the decode family's dense kernel (SwiGLU: a = gate,
+    b = up) for any n_out = out.shape[1]."""
+    tg, groups, nr = shape.tg, shape.groups, shape.nr
+    n_b = nr if swiglu else 0
+    dot, reduce = decode_core(ggml_type, n_in, nr, n_b, tg, shape.cw, shape.unroll)
+    red_shape, acc_shape = (groups, (nr + n_b) * MW, tg), (nr + n_b, MW)
+
+    @cuda.jit
+    def kernel(x, wa, sa, wb, sb, b, out):
+        red = cuda.shared.array(red_shape, np.float32)
+        t = cuda.threadIdx.x & IDX
+        g, lane = t // tg, t % tg
+        n0 = ((cuda.blockIdx.x & BIDX) * groups + g) * nr
+        nx, n_out = x.shape[0], out.shape[1]
+        xrow = cuda.local.array(MW, np.int64)
+        for r in range(MW):
+            xrow[r] = r
+        acc = cuda.local.array(acc_shape, np.float32)
+        dot(wa, sa, wb, sb, n0, n0, n_out - 1, n_out - 1, x, xrow, nx, lane, acc)
+        reduce(red, g, lane, acc, nx)
+        for j in range(lane, nr * MW, tg):
+            i, r = j // MW, j % MW
+            if r < nx and n0 + i < n_out:
+                value = red[g, j, 0]
+                if swiglu:
+                    value = silu(value) * red[g, (nr + i) * MW + r, 0]
+                elif bias:
+                    value += b[n0 + i]
+                out[r, n0 + i] = value
+
+    def launch(stream, x, wa, sa, wb, sb, b, out):
+        kernel[-(-out.shape[1] // (groups * nr)), groups * tg, stream](x, wa, sa, wb, sb, b, out)
+    return launch
+
+
+# ---------------------------------------------------------------------------------------------------------
+# prefill core
+
+BN = 128        # weight rows of a tile (dense: 128 outputs; SwiGLU: 64 gate + the same 64 up)
+BK = 16         # k step
+THREADS = 256   # 16 x 16 threads; a thread's tile rows and columns are two (or one) runs of 4
+PAD = 4         # shared rows padded by 4 floats: fewer bank conflicts on stores, 16-byte aligned rows
+W_TILE = (2, BK, BN + PAD)      # two stages of dequantized weights, k-major
+
+
+@functools.cache
+def prefill_core(ggml_type, n_in: int, bm: int):
+    """tile(x, xrows, wa, sa, wb, sb, row_a, row_b, last_a, last_b, xs, ws, acc): acc[i, j] = the dot of
+    x row xrows[rr(i)] (a zero row where xrows holds -1) with weight row rr'(j) (tile rows 0..63 are rows
+    row_a.. of a, 64..127 rows row_b.. of b, clamped to last_*), over k ascending. A thread's tile rows are
+    rr(i) = (i // 4) * (bm // hm) + ty * 4 + i % 4 and columns rr'(j) = (j // 4) * 64 + tx * 4 + j % 4.
+
+    Loads: 4 threads share a tile row's 16-wide k slice (4 floats or 1/4 of its words each), so a thread
+    holds few row addresses (bm / 64 of x, 2 of weights) and its next slice in registers."""
+    fmt = FORMATS[T(ggml_type)]
+    vpw, wps, decode, elem, sw = fmt.vpw, fmt.wps, fmt.decode, fmt.elem, fmt.slice_words
+    wpr = n_in // vpw
+    spr = wpr // wps if wps else 0
+    span = sw * vpw                 # row values covered by one slice's words (32 for Q4_0, else 16)
+    span_shift = span.bit_length() - 1
+    k_tiles = n_in // BK
+    tm = bm // 16
+    hm = tm // 4
+    xh = bm // 64                   # x rows a thread loads
+    wq = sw // 4                    # words of a weight row a thread loads
+    x_held, w_held = 4 * xh, 2 * wq
+    wps_u = U(max(wps, 1))
+
+    @cuda.jit(device=True, inline=True)
+    def load(x, xr, wa, sa, wb, sb, wrow, part, k0, xv, wv, sv):
+        for h in range(xh):
+            for j in range(4):
+                xv[h * 4 + j] = x[U(xr[h]), U(k0 + part * 4 + j)] if xr[h] >= 0 else np.float32(0)
+        word = (k0 >> span_shift) * sw + part * wq
+        for h in range(2):
+            wsrc, ssrc = (wa, sa) if h == 0 else (wb, sb)
+            for q in range(wq):
+                wv[h * wq + q] = wsrc[U(wrow[h] * wpr + word + q)]
+            if wps:
+                sv[h] = np.float32(ssrc[U(wrow[h] * spr) + U(word) // wps_u])
+
+    @cuda.jit(device=True, inline=True)
+    def store(xs, ws, stage, t, part, k0, xv, wv, sv, vals):
+        for h in range(xh):
+            for j in range(4):
+                xs[stage, U(part * 4 + j), U(h * 64 + t // 4)] = xv[h * 4 + j]
+        word = (k0 >> span_shift) * sw + part * wq
+        for h in range(2):
+            for q in range(wq):
+                decode(wv[h * wq + q], vals, 0, 0)
+                for v in range(vpw):
+                    kk = elem(word + q, v, vpw) - k0
+                    if span == BK or 0 <= kk < BK:
+                        ws[stage, U(kk), U(h * 64 + t // 4)] = sv[h] * vals[0, v] if wps else vals[0, v]
+
+    @cuda.jit(device=True, inline=True)
+    def step(xs, ws, stage, kk, ty, tx, a, b, acc):
+        for h in range(hm):
+            for v in range(4):
+                a[h * 4 + v] = xs[U(stage), U(kk), U(h * (bm // hm) + ty * 4 + v)]
+        for h in range(2):
+            for v in range(4):
+                b[h * 4 + v] = ws[U(stage), U(kk), U(h * (BN // 2) + tx * 4 + v)]
+        for i in range(tm):
+            for j in range(8):
+                acc[i, j] += a[i] * b[j]
+
+    @cuda.jit(device=True, inline=True)
+    def tile(x, xrows, wa, sa, wb, sb, row_a, row_b, last_a, last_b, xs, ws, acc):
+        t = cuda.threadIdx.x & IDX
+        tx, ty, part = t % 16, t // 16, t % 4
+        xr = cuda.local.array(xh, np.int64)
+        for h in range(xh):
+            xr[h] = xrows[h * 64 + t // 4]
+        wrow = cuda.local.array(2, np.int64)
+        wrow[0] = min(row_a + t // 4, last_a)
+        wrow[1] = min(row_b + t // 4, last_b)
+        for i in range(tm):
+            for j in range(8):
+                acc[i, j] = np.float32(0)
+        xv = cuda.local.array(x_held, np.float32)
+        wv = cuda.local.array(w_held, np.int32)
+        sv = cuda.local.array(2, np.float32)
+        vals = cuda.local.array((1, vpw), np.float32)
+        a = cuda.local.array(tm, np.float32)
+        b = cuda.local.array(8, np.float32)
+        load(x, xr, wa, sa, wb, sb, wrow, part, 0, xv, wv, sv)
+        store(xs, ws, 0, t, part, 0, xv, wv, sv, vals)
+        cuda.syncthreads()
+        for kt in range(k_tiles):
+            stage = kt % 2
+            if kt + 1 < k_tiles:
+                load(x, xr, wa, sa, wb, sb, wrow, part, (kt + 1) * BK, xv, wv, sv)
+            for kk in range(0, BK, 4):
+                # four k steps written out: the loop's own bookkeeping costs a quarter as much
+                step(xs, ws, stage, kk, ty, tx, a, b, acc)
+                step(xs, ws, stage, kk + 1, ty, tx, a, b, acc)
+                step(xs, ws, stage, kk + 2, ty, tx, a, b, acc)
+                step(xs, ws, stage, kk + 3, ty, tx, a, b, acc)
+            if kt + 1 < k_tiles:
+                store(xs, ws, 1 - stage, t, part, (kt + 1) * BK, xv, wv, sv, vals)
+            cuda.syncthreads()
+
+    return tile
+
+
+@functools.cache
+def prefill_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, bm: int):
+    """launch(stream, x, wa, sa, wb, sb, b, out): the prefill family's dense kernel (SwiGLU: a = gate,
+    b = up) for any n_out = out.shape[1]."""
+    tile = prefill_core(ggml_type, n_in, bm)
+    tm = bm // 16
+    hm = tm // 4
+    cols = BN // 2 if swiglu else BN
+    x_tile, w_tile = (2, BK, bm + PAD), W_TILE
+
+    @cuda.jit
+    def kernel(x, wa, sa, wb, sb, b, out):
+        xs = cuda.shared.array(x_tile, np.float32, alignment=ALIGN)
+        ws = cuda.shared.array(w_tile, np.float32, alignment=ALIGN)
+        xrows = cuda.shared.array(bm, np.int64)
+        t = cuda.threadIdx.x & IDX
+        r0 = (cuda.blockIdx.y & BIDX) * bm
+        n0 = (cuda.blockIdx.x & BIDX) * cols
+        rows, n_out = x.shape[0], out.shape[1]
+        if t < bm:
+            xrows[t] = r0 + t if r0 + t < rows else -1
+        cuda.syncthreads()
+        acc = cuda.local.array((tm, 8), np.float32)
+        tile(x, xrows, wa, sa, wb, sb, n0, n0 + cols - BN // 2, n_out - 1, n_out - 1, xs, ws, acc)
+        tx, ty = t % 16, t // 16
+        for i in range(tm):
+            r = r0 + (i // 4) * (bm // hm) + ty * 4 + i % 4
+            if r < rows:
+                for j in range(4 if swiglu else 8):
+                    n = n0 + (j // 4) * (BN // 2) + tx * 4 + j % 4
+                    if n < n_out:
+                        if swiglu:
+                            out[r, n] = silu(acc[i, j]) * acc[i, j + 4]
+                        elif bias:
+                            out[r, n] = acc[i, j] + b[n]
+                        else:
+                            out[r, n] = acc[i, j]
+
+    def launch(stream, x, wa, sa, wb, sb, b, out):
+        grid = (-(-out.shape[1] // cols), -(-x.shape[0] // bm))
+        kernel[grid, THREADS, stream](x, wa, sa, wb, sb, b, out)
+    return launch
+
+
+def prefill_bm(n_out: int) -> int:
+    """Tile rows: 128 for wide weights; 64 when there are few columns, so a chunk still fills the GPU."""
+    return 128 if n_out >= 4096 else 64
+
+
+# ---------------------------------------------------------------------------------------------------------
+# factories
+
+
+def _dense(family: str, ggml_type, n_in: int, n_out: int, bias: bool, swiglu: bool):
+    fmt = check(family, ggml_type, n_in, n_out)
+    if family == "decode":
+        return decode_kernel(T(ggml_type), n_in, bias, swiglu, decode_shape(fmt, n_in, n_out))
+    return prefill_kernel(T(ggml_type), n_in, bias, swiglu, prefill_bm(n_out))
+
+
+@functools.cache
+def make_matmul(family: str, ggml_type, n_in: int, n_out: int, bias: bool):
+    """launch(stream, x, w, b, out): out (rows, n_out) = x (rows, n_in) @ W.T (+ b); `b` is a 1-element
+    placeholder when `bias` is False. decode: rows <= MAX_WINDOW."""
+    inner = _dense(family, ggml_type, n_in, n_out, bias, False)
+
+    def launch(stream, x, w, b, out):
+        data, scales = words(w)
+        inner(stream, x, data, scales, data, scales, b, out)
+    return launch
+
+
+@functools.cache
+def make_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int):
+    """launch(stream, x, gate, up, out): out (rows, n_ff) = silu(x @ gate.T) * (x @ up.T), each dot in
+    make_matmul's order."""
+    inner = _dense(family, ggml_type, n_in, n_ff, False, True)
+
+    def launch(stream, x, gate, up, out):
+        gate_words, gate_scales = words(gate)
+        inner(stream, x, gate_words, gate_scales, *words(up), gate_scales, out)
+    return launch
+
+
+def __getattr__(name):
+    """The routed-expert factories live in codegen.lower.moe (built on the cores above); reachable here too."""
+    if name in ("make_moe_groups", "make_moe_swiglu_matmul", "make_moe_down_matmul"):
+        from codegen.lower import moe
+        return getattr(moe, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

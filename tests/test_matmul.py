@@ -1,0 +1,333 @@
+"""Matmul kernels (codegen.lower.matmul, codegen.lower.moe) against the float64 reference, and the bitwise
+invariance each family promises: prefill rows equal whatever the chunk, decode rows whatever the window.
+
+Simulator tests use tiny shapes (dims 32-256, a few rows); `gpu` tests the real ones on the H200."""
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as T
+
+from codegen.graph import moe_groups_length
+from codegen.lower import MAX_WINDOW, matmul, moe, weights
+from codegen.lower.cuda import SIMULATOR, cuda
+from runtime import reference
+
+TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0]
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def shared_arrays_allocated_once(monkeypatch):
+    """numba-cuda's simulator makes a block's shared array on the first call from each source line, but
+    checks and stores without a lock: two threads of a block can each make one and no longer share it
+    (seen here as rare wrong sums under load). Allocate under a lock, keyed by the caller's line as before."""
+    if not SIMULATOR:
+        return
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    lock, original = threading.Lock(), FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:       # dynamic shared memory, or the simulator's refusal
+            return original(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            if key not in self._allocations:
+                self._allocations[key] = np.empty(shape, np.dtype(dtype))
+            return self._allocations[key]
+
+    monkeypatch.setattr(FakeCUDAShared, "array", array)
+
+
+def rel_err(got, ref) -> float:
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def packed_weight(rng, ggml_type, shape):
+    """(packed, device weight, float64 values the kernel must compute with)."""
+    packed = weights.quantize(rng.standard_normal(shape).astype(np.float32), ggml_type)
+    return packed, weights.upload(packed), weights.dequantize(packed)
+
+
+def activations(rng, rows, n):
+    return rng.standard_normal((rows, n)).astype(np.float32)
+
+
+def run_matmul(family, ggml_type, x, w, bias=None):
+    n_out = w.shape[0]
+    launch = matmul.make_matmul(family, ggml_type, x.shape[1], n_out, bias is not None)
+    b = cuda.to_device(bias if bias is not None else np.zeros(1, np.float32))
+    out = cuda.to_device(np.full((len(x), n_out), np.nan, np.float32))
+    launch(0, cuda.to_device(x), w, b, out)
+    return out.copy_to_host()
+
+
+def assert_rows_reproduced(family, ggml_type, x, w, expected, parts):
+    """Launches over rows x[start:start + size] give exactly those rows of `expected`."""
+    for start, size in parts:
+        assert np.array_equal(run_matmul(family, ggml_type, x[start:start + size], w), expected[start:start + size])
+
+
+def run_swiglu(family, ggml_type, x, gate, up):
+    n_ff = gate.shape[0]
+    out = cuda.to_device(np.full((len(x), n_ff), np.nan, np.float32))
+    matmul.make_swiglu_matmul(family, ggml_type, x.shape[1], n_ff)(0, cuda.to_device(x), gate, up, out)
+    return out.copy_to_host()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dense
+
+
+@pytest.mark.parametrize("family", ["decode", "prefill"])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_matmul_matches_reference(rng, family, ggml_type):
+    n_in, n_out, rows = 96, 40, (3 if family == "decode" else 5)
+    _, w, ref_w = packed_weight(rng, ggml_type, (n_out, n_in))
+    x = activations(rng, rows, n_in)
+    bias = rng.standard_normal(n_out).astype(np.float32) if ggml_type in (T.F16, T.Q8_0) else None
+    ref = x.astype(np.float64) @ ref_w.T + (0 if bias is None else bias)
+    assert rel_err(run_matmul(family, ggml_type, x, w, bias), ref) < TOL
+
+
+@pytest.mark.parametrize("family", ["decode", "prefill"])
+@pytest.mark.parametrize("ggml_type", [T.F32, T.BF16, T.Q4_0], ids=lambda t: t.name)
+def test_swiglu_matches_reference(rng, family, ggml_type):
+    n_in, n_ff, rows = 64, 72, 3
+    _, gate, ref_gate = packed_weight(rng, ggml_type, (n_ff, n_in))
+    _, up, ref_up = packed_weight(rng, ggml_type, (n_ff, n_in))
+    x = activations(rng, rows, n_in)
+    got = run_swiglu(family, ggml_type, x, gate, up)
+    assert rel_err(got, reference.swiglu(x.astype(np.float64), ref_gate, ref_up)) < TOL
+
+
+def test_prefill_rows_do_not_depend_on_the_chunk(rng):
+    """A row's outputs are bitwise the same computed in a chunk of 1, 3, 16 or 64 rows, at any offset (Q4_0:
+    its half-block loads are the trickiest; the GPU test repeats this for F32, F16 and Q8_0)."""
+    n_in, n_out = 64, 24
+    _, w, _ = packed_weight(rng, T.Q4_0, (n_out, n_in))
+    x = activations(rng, 64, n_in)
+    assert_rows_reproduced("prefill", T.Q4_0, x, w, run_matmul("prefill", T.Q4_0, x, w), ((5, 1), (17, 3), (33, 16)))
+
+
+def test_prefill_swiglu_rows_do_not_depend_on_the_chunk(rng):
+    _, gate, _ = packed_weight(rng, T.Q8_0, (40, 64))
+    _, up, _ = packed_weight(rng, T.Q8_0, (40, 64))
+    x = activations(rng, 16, 64)
+    whole = run_swiglu("prefill", T.Q8_0, x, gate, up)
+    assert np.array_equal(run_swiglu("prefill", T.Q8_0, x[9:12], gate, up), whole[9:12])
+
+
+def test_decode_rows_do_not_depend_on_the_window(rng):
+    """Windows of 1..5 rows give each row bitwise what a window of that row alone gives (the GPU test
+    repeats this for Q8_0 and BF16)."""
+    n_in, n_out = 256, 20
+    _, w, _ = packed_weight(rng, T.Q4_0, (n_out, n_in))
+    x = activations(rng, 5, n_in)
+    alone = np.concatenate([run_matmul("decode", T.Q4_0, x[r:r + 1], w) for r in range(5)])
+    assert_rows_reproduced("decode", T.Q4_0, x, w, alone, [(0, window) for window in range(2, 6)])
+
+
+def test_decode_swiglu_rows_do_not_depend_on_the_window(rng):
+    _, gate, _ = packed_weight(rng, T.Q4_0, (24, 128))
+    _, up, _ = packed_weight(rng, T.Q4_0, (24, 128))
+    x = activations(rng, MAX_WINDOW, 128)
+    full = run_swiglu("decode", T.Q4_0, x, gate, up)
+    assert np.array_equal(run_swiglu("decode", T.Q4_0, x[3:4], gate, up), full[3:4])
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
+def test_decode_dequantizes_extreme_quants(rng, ggml_type):
+    """Every quant value (-128..127, nibbles 0..15) decodes exactly: the extremes in every byte position."""
+    n_in, n_out = 64, 8
+    packed, _, _ = packed_weight(rng, ggml_type, (n_out, n_in))
+    data = packed.data.copy()
+    if ggml_type == T.Q8_0:
+        data[:4] = np.resize(np.array([-128, 127, -1, 0], np.int8), data[:4].shape)
+    else:
+        data[:4] = np.resize(np.array([0x0F, 0xF0, 0x00, 0xFF, 0x87, 0x78], np.uint8), data[:4].shape)
+    extreme = weights.PackedWeight(ggml_type, packed.shape, data, packed.scales)
+    x = activations(rng, 2, n_in)
+    got = run_matmul("decode", ggml_type, x, weights.upload(extreme))
+    assert rel_err(got, x.astype(np.float64) @ weights.dequantize(extreme).T) < TOL
+
+
+@pytest.mark.parametrize("args, message", [
+    (("verify", T.F32, 64, 8, False), "unknown kernel family"),
+    (("decode", T.Q4_1, 64, 8, False), "no matmul kernel for Q4_1"),
+    (("prefill", T.F32, 40, 8, False), "multiple of 32"),
+])
+def test_refuses_what_it_cannot_run(args, message):
+    with pytest.raises(ValueError, match=message):
+        matmul.make_matmul(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# routed experts
+
+E, K = 4, 2                      # experts, used per row
+D_IN, D_FF, D_OUT = 32, 32, 32   # n_embd, n_ff_exp, n_embd out
+
+
+def expected_groups(ids, n_expert):
+    flat = ids.reshape(-1)
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=n_expert))])
+    pairs = np.concatenate([np.flatnonzero(flat == e) for e in range(n_expert)])
+    active = [e for e in range(n_expert) if offsets[e + 1] > offsets[e]]
+    return offsets, pairs, active
+
+
+def run_groups(ids, n_expert, k):
+    groups = cuda.to_device(np.full(moe_groups_length(n_expert, ids.size), -7, np.int32))
+    moe.make_moe_groups(n_expert, k)(0, cuda.to_device(ids), groups)
+    return groups
+
+
+def check_groups(groups, ids, n_expert):
+    got = groups.copy_to_host()
+    offsets, pairs, active = expected_groups(ids, n_expert)
+    n = ids.size
+    assert np.array_equal(got[:n_expert + 1], offsets)
+    assert np.array_equal(got[n_expert + 1:n_expert + 1 + n], pairs)
+    assert got[n_expert + 1 + n] == len(active)
+    assert np.array_equal(got[n_expert + 2 + n:n_expert + 2 + n + len(active)], active)
+
+
+def top_ids(rng, rows, n_expert=E, k=K):
+    """Distinct experts per row, as top-k gives; expert 1 never chosen."""
+    pool = [e for e in range(n_expert) if e != 1]
+    return np.array([rng.choice(pool, k, replace=False) for _ in range(rows)], np.int32)
+
+
+@pytest.mark.parametrize("rows, n_expert, k", [(1, 6, 2), (5, 6, 2), (40, 8, 3), (1100, 5, 2)])
+def test_moe_groups_lists_pairs_by_expert(rng, rows, n_expert, k):
+    ids = top_ids(rng, rows, n_expert, k)
+    check_groups(run_groups(ids, n_expert, k), ids, n_expert)
+
+
+def test_moe_groups_takes_repeated_experts(rng):
+    ids = rng.integers(0, 4, (7, 3)).astype(np.int32)
+    check_groups(run_groups(ids, 4, 3), ids, 4)
+
+
+def test_moe_groups_refuses_too_many_experts():
+    with pytest.raises(ValueError, match="1..1024 experts"):
+        moe.make_moe_groups(2048, 8)
+
+
+def random_q8_0(rng, shape):
+    """Q8_0 weights made from random quants and scales directly (quantizing 600M floats takes minutes)."""
+    scales = (rng.random((*shape[:-1], shape[-1] // 32)) * 0.02 + 0.001).astype(np.float16)
+    return weights.PackedWeight(T.Q8_0, shape, rng.integers(-127, 128, shape, dtype=np.int8), scales)
+
+
+class Experts:
+    """Random experts stored in permuted cache slots (expert e lives in slot slot_of[e])."""
+
+    def __init__(self, rng, ggml_type, n_expert=E, d_in=D_IN, d_ff=D_FF, d_out=D_OUT, quantized=False):
+        self.type, self.n_expert = ggml_type, n_expert
+        self.slot_of = rng.permutation(n_expert).astype(np.int32)
+        shapes = ((n_expert, d_ff, d_in), (n_expert, d_ff, d_in), (n_expert, d_out, d_ff))
+        if quantized:       # already quants (Q8_0), in any slot order
+            self.packed = [random_q8_0(rng, shape) for shape in shapes]
+        else:
+            in_slot = np.argsort(self.slot_of)
+            self.packed = [weights.quantize(rng.standard_normal(shape).astype(np.float32)[in_slot], ggml_type)
+                           for shape in shapes]
+        self.gate, self.up, self.down = (weights.upload(p) for p in self.packed)
+        self.d_ff, self.d_out = d_ff, d_out
+
+    def reference(self, experts):
+        """float64 gate, up, down of the listed experts, in that order."""
+        slots = self.slot_of[experts]
+        return [weights.dequantize(weights.PackedWeight(p.ggml_type, (len(slots), *p.shape[1:]), p.data[slots],
+                                                        p.scales[slots] if p.scales is not None else None))
+                for p in self.packed]
+
+    def run(self, family, x, ids, route_w, k=K):
+        groups = run_groups(ids, self.n_expert, k)
+        slot_of = cuda.to_device(self.slot_of)
+        act = cuda.to_device(np.full((ids.size, self.d_ff), np.nan, np.float32))
+        out = cuda.to_device(np.full((len(x), self.d_out), np.nan, np.float32))
+        moe.make_moe_swiglu_matmul(family, self.type, x.shape[1], self.d_ff, self.n_expert, k)(
+            0, cuda.to_device(x), groups, slot_of, self.gate, self.up, act)
+        moe.make_moe_down_matmul(family, self.type, self.d_ff, self.d_out, self.n_expert, k)(
+            0, act, groups, cuda.to_device(route_w), slot_of, self.down, out)
+        return act.copy_to_host(), out.copy_to_host()
+
+
+def moe_inputs(rng, rows, k=K, d_in=D_IN):
+    return activations(rng, rows, d_in), top_ids(rng, rows, k=k), rng.random((rows, k)).astype(np.float32)
+
+
+def check_moe(experts, x, ids, route_w, act, out):
+    used, local = np.unique(ids, return_inverse=True)
+    local = local.reshape(ids.shape)
+    gate, up, down = experts.reference(used)
+    x64, k = x.astype(np.float64), ids.shape[1]
+    ref_act = np.stack([reference.swiglu(x64[p // k][None], gate[e], up[e])[0]
+                        for p, e in enumerate(local.reshape(-1))])
+    assert rel_err(act, ref_act) < TOL
+    assert rel_err(out, reference.moe(x64, local, route_w, gate, up, down)) < TOL
+
+
+def test_moe_prefill_matches_reference_for_any_chunk(rng):
+    """Gate/up and down against the reference; then a chunk of 3 of those rows gives their bits again (the
+    GPU test repeats this at Qwen3-30B-A3B's shape)."""
+    experts = Experts(rng, T.Q4_0)
+    x, ids, route_w = moe_inputs(rng, 7)
+    act, whole = experts.run("prefill", x, ids, route_w)
+    check_moe(experts, x, ids, route_w, act, whole)
+    part = slice(3, 6)
+    assert np.array_equal(experts.run("prefill", x[part], ids[part], route_w[part])[1], whole[part])
+
+
+def test_moe_decode_matches_reference_for_any_window(rng):
+    """A window of 5 against the reference; row 0 alone (its experts then grouped with no other row) gives
+    the same bits."""
+    experts = Experts(rng, T.Q8_0)
+    x, ids, route_w = moe_inputs(rng, 5)
+    act, window = experts.run("decode", x, ids, route_w)
+    check_moe(experts, x, ids, route_w, act, window)
+    assert np.array_equal(experts.run("decode", x[:1], ids[:1], route_w[:1])[1], window[:1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# real shapes on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family, ggml_type", [("decode", T.Q8_0), ("decode", T.Q4_0), ("decode", T.BF16),
+                                               ("prefill", T.F32), ("prefill", T.Q8_0), ("prefill", T.F16)],
+                         ids=lambda v: getattr(v, "name", v))
+def test_gpu_real_shape(rng, family, ggml_type):
+    """Against the reference; decode windows of 2..5 give each row's bits alone, prefill chunks of 1, 3, 16
+    and 64 rows at any offset give those rows of a 300-row chunk."""
+    n_in = 4096 if family == "decode" else 2048
+    _, w, ref_w = packed_weight(rng, ggml_type, (4096, n_in))
+    if family == "decode":
+        x = activations(rng, 5, n_in)
+        expected = np.concatenate([run_matmul(family, ggml_type, x[r:r + 1], w) for r in range(5)])
+        parts = [(0, window) for window in range(2, 6)]
+    else:
+        x = activations(rng, 300, n_in)
+        expected = run_matmul(family, ggml_type, x, w)
+        parts = ((0, 1), (100, 3), (131, 16), (200, 64))
+    assert rel_err(expected, x.astype(np.float64) @ ref_w.T) < TOL
+    assert_rows_reproduced(family, ggml_type, x, w, expected, parts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["decode", "prefill"])
+def test_gpu_moe_qwen3_30b_shape(rng, family):
+    experts = Experts(rng, T.Q8_0, n_expert=128, d_in=2048, d_ff=768, d_out=2048, quantized=True)
+    rows = 5 if family == "decode" else 96
+    x, ids, route_w = activations(rng, rows, 2048), top_ids(rng, rows, 128, 8), rng.random((rows, 8)).astype(np.float32)
+    act, out = experts.run(family, x, ids, route_w, k=8)
+    check_moe(experts, x, ids, route_w, act, out)
+    part = slice(1, 4)
+    _, out_part = experts.run(family, x[part], ids[part], route_w[part], k=8)
+    assert np.array_equal(out_part, out[part])
