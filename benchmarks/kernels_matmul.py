@@ -153,6 +153,12 @@ def _store_row(red, w, lane, acc, row, n, out):
         out[0, n] = total
 
 
+@cuda.jit(device=True, inline=True)
+def _byte(word, v):
+    """Signed byte v of a word, by arithmetic that holds at any integer width (numba widens int32 shifts)."""
+    return (((word >> np.int32(8 * v)) & np.int32(0xFF)) ^ np.int32(0x80)) - np.int32(0x80)
+
+
 def _warp_per_row(word_loads: bool):
     """v2 (byte loads) and v3 (word loads): the same warp-per-row kernel but for how a lane reads quants."""
     @cuda.jit
@@ -164,7 +170,7 @@ def _warp_per_row(word_loads: bool):
             for wi in range(lane, q.shape[1], 32):
                 p = np.float32(0)
                 for v in range(4):
-                    p += np.float32((q[n, wi] << np.int32(24 - 8 * v)) >> np.int32(24)) * x[0, 4 * wi + v]
+                    p += np.float32(_byte(q[n, wi], v)) * x[0, 4 * wi + v]
                 acc += np.float32(s[n, wi // 8]) * p
         else:               # q: int8, lanes on consecutive bytes
             for k in range(lane, q.shape[1], 32):
@@ -204,7 +210,7 @@ def _gemv_v4(x, q32, s, out):
                 for i in range(V4_ROWS):
                     p = np.float32(0)
                     for v in range(4):
-                        p += np.float32((held[f, i] << np.int32(24 - 8 * v)) >> np.int32(24)) * xs[v]
+                        p += np.float32(_byte(held[f, i], v)) * xs[v]
                     acc[i] += np.float32(s[min(n0 + i, n_out - 1), wi // 8]) * p
     for i in range(V4_ROWS):
         total = _warp_sum(red, w, lane, acc[i])
