@@ -4,6 +4,7 @@ is first imported, which is why it lives here."""
 
 import os
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 # The simulator runs each CUDA thread as a Python thread that waits at every syncthreads; a short switch
 # interval hands the GIL on at once instead of after 5 ms, which makes simulated kernels about 5x faster.
 sys.setswitchinterval(1e-5)
+warnings.filterwarnings("ignore", message=".*(under-utilization|copy overhead).*")   # tiny simulated launches
 
 
 @pytest.fixture

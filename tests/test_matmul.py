@@ -3,8 +3,6 @@ invariance each family promises: prefill rows equal whatever the chunk, decode r
 
 Simulator tests use tiny shapes (dims 32-256, a few rows); `gpu` tests the real ones on the H200."""
 
-import sys
-import threading
 
 import numpy as np
 import pytest
@@ -12,34 +10,11 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import moe_groups_length
 from codegen.lower import MAX_WINDOW, matmul, moe, weights
-from codegen.lower.cuda import SIMULATOR, cuda
+from codegen.lower.cuda import cuda
 from runtime import reference
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0]
 TOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def shared_arrays_allocated_once(monkeypatch):
-    """numba-cuda's simulator makes a block's shared array on the first call from each source line, but
-    checks and stores without a lock: two threads of a block can each make one and no longer share it
-    (seen here as rare wrong sums under load). Allocate under a lock, keyed by the caller's line as before."""
-    if not SIMULATOR:
-        return
-    from numba.cuda.simulator.kernelapi import FakeCUDAShared
-    lock, original = threading.Lock(), FakeCUDAShared.array
-
-    def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None:       # dynamic shared memory, or the simulator's refusal
-            return original(self, shape, dtype, alignment)
-        caller = sys._getframe(1)
-        key = (caller.f_code.co_filename, caller.f_lineno)
-        with lock:
-            if key not in self._allocations:
-                self._allocations[key] = np.empty(shape, np.dtype(dtype))
-            return self._allocations[key]
-
-    monkeypatch.setattr(FakeCUDAShared, "array", array)
 
 
 def rel_err(got, ref) -> float:

@@ -30,6 +30,27 @@ def device_name() -> str:
 
 
 if SIMULATOR:
+    import sys
+    import threading
+
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    def _shared_array_once(self, shape, dtype, alignment=None, _lock=threading.Lock(),
+                           _original=FakeCUDAShared.array):
+        """The simulator makes a block's shared array on the first call from each source line but checks and
+        stores without a lock, so two threads of a block could each make one and no longer share it (rare
+        wrong sums under load). The same, under a lock."""
+        if shape == 0 or alignment is not None:       # dynamic shared memory, or the simulator's refusal
+            return _original(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with _lock:
+            if key not in self._allocations:
+                self._allocations[key] = np.empty(shape, np.dtype(dtype))
+            return self._allocations[key]
+
+    FakeCUDAShared.array = _shared_array_once
+
     def bits_to_f32(bits):
         """The float32 whose bit pattern is the int32 `bits` (bf16 -> f32 is `bits_to_f32(b << 16)`)."""
         return np.array(bits, dtype=np.int32).view(np.float32)[()]

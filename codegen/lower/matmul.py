@@ -1,5 +1,5 @@
 """Matmul kernels: dense (bias fused) and SwiGLU gate/up, in both families; the two cores below also run the
-routed-expert kernels of `codegen.lower.moe` (re-exported here).
+routed-expert kernels of `codegen.lower.moe`.
 
 Weights are read as 32-bit words of their packed layout (`codegen.lower.weights`): a word holds 1 (F32),
 2 (F16, BF16), 4 (Q8_0) or 8 (Q4_0) values, which `FORMATS` decodes exactly and cheaply: a quant's bit field
@@ -532,11 +532,3 @@ def make_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int):
         gate_words, gate_scales = words(gate)
         inner(stream, x, gate_words, gate_scales, *words(up), gate_scales, out)
     return launch
-
-
-def __getattr__(name):
-    """The routed-expert factories live in codegen.lower.moe (built on the cores above); reachable here too."""
-    if name in ("make_moe_groups", "make_moe_swiglu_matmul", "make_moe_down_matmul"):
-        from codegen.lower import moe
-        return getattr(moe, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,177 @@
+"""A pass graph lowered: every node bound to its kernel, its weights, the K/V pages and its arena slice.
+
+`lower` walks the graph in order and turns each node into a `Step` (a compiled kernel's launch function and
+the device arrays it takes). Running a program is calling the steps in order on one stream; nothing is
+allocated and nothing synchronises, so the runtime can capture a decode window's program into a CUDA graph
+and replay it. The activation arena is the one the planner sized: every block's tensors sit at their
+representative block's offsets (`codegen.memory.full_pass_offsets`).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from codegen.graph import build_pass, nodes_in_order, representative_layers
+from codegen.lower import attention, matmul, moe, pointwise
+from codegen.lower.cuda import cuda
+from codegen.memory import full_pass_offsets, plan_arena
+from planner.architecture import tensor_layer
+
+_DTYPES = {"f32": np.float32, "i32": np.int32}
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str           # the tensor the step writes
+    launch: object
+    args: tuple
+
+    def run(self, stream) -> None:
+        self.launch(stream, *self.args)
+
+
+@dataclass
+class Program:
+    graph: object
+    steps: list
+    tensors: dict       # tensor name -> device array view into the arena
+
+    def run(self, stream) -> None:
+        for step in self.steps:
+            step.run(stream)
+
+
+def arena_layout(model, kind: str, tokens: int, kv, with_drafter: bool = False):
+    """(full graph, arena bytes, offsets): the pass over every block, placed in the representative arena."""
+    graph = build_pass(model, kind, tokens, kv, with_drafter=with_drafter)
+    representative = build_pass(model, kind, tokens, kv, layers=representative_layers(model.hparams),
+                                with_drafter=with_drafter)
+    arena = plan_arena(representative)
+    return graph, arena.size_bytes, full_pass_offsets(graph, arena, model.hparams)
+
+
+class _Lowering:
+    def __init__(self, graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots):
+        self.graph, self.hp, self.weights = graph, hparams, weights
+        self.kv_pages, self.page_tables, self.expert_slots = kv_pages, page_tables, expert_slots
+        self.family = "prefill" if graph.graph["kind"] == "prefill" else "decode"
+        self.kv_type = graph.graph["kv"]
+        self.tensors = {}
+        for name in nodes_in_order(graph):
+            node = graph.nodes[name]
+            if node["op"] == "select_rows":      # the last rows of its input: a view, not a copy
+                source = self.tensors[next(iter(graph.predecessors(name)))]
+                self.tensors[name] = source[source.shape[0] - node["shape"][0]:]
+            elif node["out_bytes"]:
+                start = offsets[name]
+                view = arena[start:start + node["out_bytes"]].view(_DTYPES[node["dtype"]])
+                self.tensors[name] = view.reshape(node["shape"])
+        self.f32_placeholder = cuda.to_device(np.zeros(1, np.float32))
+
+    def weight(self, name: str):
+        if name not in self.weights:
+            raise KeyError(f"the model has no tensor {name!r}")
+        return self.weights[name]
+
+    def vector(self, name: str):
+        """A norm weight or bias as a float32 vector."""
+        return self.weight(name).data
+
+    def step(self, name: str) -> Step | None:
+        node, hp = self.graph.nodes[name], self.hp
+        op, shape = node["op"], node["shape"]
+        inputs = [self.tensors.get(p) for p in self.graph.predecessors(name)]
+        out = self.tensors.get(name)
+        layer = tensor_layer(name)
+        weights = node["weights"]
+        family = self.family
+        if op in ("input", "select_rows"):
+            return None
+        if op == "embed":
+            table = self.weight(weights[0])
+            return Step(name, pointwise.make_embed(table.ggml_type, hp.n_embd), (inputs[0], table, out))
+        if op == "rmsnorm":
+            return Step(name, pointwise.make_rmsnorm(shape[1], hp.rms_eps), (inputs[0], self.vector(weights[0]), out))
+        if op == "head_rmsnorm":
+            head_dim = hp.head_dim_k
+            return Step(name, pointwise.make_head_rmsnorm(shape[1] // head_dim, head_dim, hp.rms_eps),
+                        (inputs[0], self.vector(weights[0]), out))
+        if op == "rope":
+            x, positions = inputs
+            launch = pointwise.make_rope(shape[1] // hp.head_dim_k, hp.head_dim_k, hp.n_rot, hp.rope_base)
+            return Step(name, launch, (x, positions))
+        if op == "matmul":
+            w = self.weight(weights[0])
+            has_bias = len(weights) > 1
+            bias = self.vector(weights[1]) if has_bias else self.f32_placeholder
+            launch = matmul.make_matmul(family, w.ggml_type, w.shape[-1], w.shape[-2], has_bias)
+            return Step(name, launch, (inputs[0], w, bias, out))
+        if op == "swiglu_matmul":
+            gate, up = self.weight(weights[0]), self.weight(weights[1])
+            launch = matmul.make_swiglu_matmul(family, gate.ggml_type, gate.shape[-1], gate.shape[-2])
+            return Step(name, launch, (inputs[0], gate, up, out))
+        if op == "add":
+            x, *addends = inputs
+            return Step(name, pointwise.make_add(shape[1], len(addends)), (x, *addends))
+        if op == "concat":
+            a, b = inputs
+            return Step(name, pointwise.make_concat(a.shape[1], b.shape[1]), (a, b, out))
+        if op == "topk":
+            bias = self.vector(weights[0]) if weights else self.f32_placeholder
+            return Step(name, pointwise.make_topk(hp.n_expert, hp.n_expert_used, node["gating"]),
+                        (inputs[0], bias, out))
+        if op == "route_weights":
+            gating = self.graph.nodes[f"blk.{layer}.topk"]["gating"]
+            launch = pointwise.make_route_weights(hp.n_expert, hp.n_expert_used, gating, node["normalize"],
+                                                  node["scale"])
+            return Step(name, launch, tuple(inputs) + (out,))
+        if op == "argmax":
+            return Step(name, pointwise.make_argmax(hp.n_vocab), (inputs[0], out))
+        if op == "moe_groups":
+            return Step(name, moe.make_moe_groups(hp.n_expert, hp.n_expert_used), (inputs[0], out))
+        if op == "moe_swiglu_matmul":
+            h, groups = inputs
+            gate, up = self.weight(weights[0]), self.weight(weights[1])
+            launch = moe.make_moe_swiglu_matmul(family, gate.ggml_type, gate.shape[-1], gate.shape[-2],
+                                                   hp.n_expert, hp.n_expert_used)
+            return Step(name, launch, (h, groups, self.expert_slots[layer], gate, up, out))
+        if op == "moe_down_matmul":
+            act, groups, route_weights = inputs
+            down = self.weight(weights[0])
+            launch = moe.make_moe_down_matmul(family, down.ggml_type, down.shape[-1], down.shape[-2],
+                                                 hp.n_expert, hp.n_expert_used)
+            return Step(name, launch, (act, groups, route_weights, self.expert_slots[layer], down, out))
+        if op == "kv_store":
+            k, v, positions = inputs
+            launch = attention.make_kv_store(self.kv_type, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v,
+                                             self.page_tokens(layer))
+            return Step(name, launch, (k, v, positions, self.page_tables[layer], self.kv_pages[layer]))
+        if op == "attention":
+            q, _stored, positions = inputs
+            launch = attention.make_attention(family, self.kv_type, hp.n_head, hp.n_head_kv, hp.head_dim_k,
+                                              hp.head_dim_v, self.page_tokens(layer))
+            return Step(name, launch, (q, positions, self.page_tables[layer], self.kv_pages[layer], out))
+        if op == "attention_combine":
+            return Step(name, attention.make_attention_combine(hp.n_head, hp.head_dim_v), (inputs[0], out))
+        raise NotImplementedError(f"no kernel lowers op {op!r}")
+
+    def page_tokens(self, layer: int) -> int:
+        return self.kv_pages[layer].page_tokens
+
+
+def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, arena, offsets: dict,
+          expert_slots: dict | None = None) -> Program:
+    """Bind every node of `graph` to its kernel.
+
+    weights: GGUF tensor name -> DeviceWeight; kv_pages: layer -> the layer's K/V pages on the device
+    (`attention.kv_arrays(...)`, allocated); page_tables: layer -> int32 device array (logical page -> slot);
+    arena: a device uint8 array of the pass's arena bytes; offsets: tensor -> byte offset (`arena_layout`);
+    expert_slots: MoE layer -> int32 device array (expert id -> index in that layer's expert weights; the
+    identity when omitted).
+    """
+    if expert_slots is None:
+        identity = cuda.to_device(np.arange(hparams.n_expert, dtype=np.int32))
+        expert_slots = {layer: identity for layer in range(hparams.n_layer)}
+    lowering = _Lowering(graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots)
+    steps = [step for step in map(lowering.step, nodes_in_order(graph)) if step is not None]
+    return Program(graph, steps, lowering.tensors)

@@ -1,0 +1,136 @@
+"""Whole passes of a GGUF model run through the lowered kernels, for tests: a prompt read in chunks of a chosen
+size, then decode windows. K/V pages are a plain table (page p in slot p) with room for `max_tokens`."""
+
+import numpy as np
+
+from codegen.lower.attention import kv_arrays
+from codegen.lower.cuda import cuda
+from codegen.lower.program import arena_layout, lower
+from codegen.lower.weights import read_gguf, upload
+from planner.header import read_header
+from planner.kv import parse_kv_type
+from planner.model import inventory
+
+
+class PassRunner:
+    def __init__(self, model_path, kv: str = "f32", page_tokens: int = 16, max_tokens: int = 128):
+        header = read_header(model_path)
+        self.model = inventory(header, name=str(model_path))
+        self.hp = self.model.hparams
+        self.kv = parse_kv_type(kv)
+        self.weights = {name: upload(packed) for name, packed in read_gguf(model_path, header).items()}
+        n_pages = -(-max_tokens // page_tokens)
+        self.page_table = cuda.to_device(np.arange(n_pages, dtype=np.int32))
+        layers = range(self.hp.n_layer)
+        self.kv_pages = {layer: kv_arrays(kv, n_pages, page_tokens, self.hp.n_head_kv, self.hp.head_dim_k,
+                                          self.hp.head_dim_v).allocate() for layer in layers}
+        self.page_tables = {layer: self.page_table for layer in layers}
+        self.programs = {}
+        self.stream = cuda.stream()
+
+    def program(self, kind: str, tokens: int):
+        key = (kind, tokens)
+        if key not in self.programs:
+            graph, arena_bytes, offsets = arena_layout(self.model, kind, tokens, self.kv)
+            # poisoned: 0xFF bytes read as float32 are NaN, so a kernel reading bytes no kernel wrote shows
+            arena = cuda.to_device(np.full(arena_bytes, 0xFF, np.uint8))
+            self.programs[key] = lower(graph, self.hp, self.weights, self.kv_pages, self.page_tables, arena, offsets)
+        return self.programs[key]
+
+    def _run(self, kind: str, token_ids, start: int) -> np.ndarray:
+        program = self.program(kind, len(token_ids))
+        program.tensors["token_ids"].copy_to_device(np.asarray(token_ids, dtype=np.int32), stream=self.stream)
+        positions = np.arange(start, start + len(token_ids), dtype=np.int32)
+        program.tensors["positions"].copy_to_device(positions, stream=self.stream)
+        program.run(self.stream)
+        logits = program.tensors["logits"].copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return logits
+
+    def prefill(self, token_ids, chunk: int, start: int = 0) -> np.ndarray:
+        """Read the prompt in chunks of `chunk` tokens; returns each chunk's last-position logits
+        (n_chunks, vocab): with chunks of 1, every position's."""
+        return np.stack([self._run("prefill", token_ids[begin:begin + chunk], start + begin)[-1]
+                         for begin in range(0, len(token_ids), chunk)])
+
+    def decode(self, token_ids, start: int) -> np.ndarray:
+        """One decode window over `token_ids` at positions start..; returns (window, vocab) logits."""
+        return self._run("decode", token_ids, start)
+
+    def kv_bytes(self) -> list:
+        """Every layer's K/V pages, as host bytes (to compare layouts bitwise)."""
+        return [np.concatenate([np.ascontiguousarray(a.copy_to_host()).reshape(-1).view(np.uint8)
+                                for a in pages.arrays()]) for pages in self.kv_pages.values()]
+
+
+def node_errors(runner: PassRunner, kind: str, token_ids, start: int = 0, reference_model=None) -> list:
+    """Run one pass step by step and compare every node's output with its float64 reference op computed from
+    the node's actual inputs: [(tensor, relative L2 error)], pinpointing the first kernel that goes wrong."""
+    from runtime import reference as ref
+    model = reference_model or ref.load(runner.model.source)
+    hp = runner.hp
+    program = runner.program(kind, len(token_ids))
+    program.tensors["token_ids"].copy_to_device(np.asarray(token_ids, dtype=np.int32))
+    positions = np.arange(start, start + len(token_ids), dtype=np.int32)
+    program.tensors["positions"].copy_to_device(positions)
+    graph, host, errors = program.graph, {}, []
+    keys, values = {}, {}
+    for step in program.steps:
+        step.run(0)
+        cuda.synchronize()
+        node = graph.nodes[step.name]
+        inputs = [host[p] if p in host else program.tensors[p].copy_to_host() if p in program.tensors else None
+                  for p in graph.predecessors(step.name)]
+        w = [model.weights[n] for n in node["weights"]]
+        op, layer = node["op"], step.name.split(".")[1] if step.name.startswith("blk.") else None
+        got = program.tensors[step.name].copy_to_host() if step.name in program.tensors else None
+        if op == "embed":
+            want = w[0][np.asarray(token_ids)]
+        elif op == "rmsnorm":
+            want = ref.rmsnorm(inputs[0], w[0], hp.rms_eps)
+        elif op == "head_rmsnorm":
+            want = ref.head_rmsnorm(inputs[0], w[0], inputs[0].shape[1] // hp.head_dim_k, hp.rms_eps)
+        elif op == "rope":
+            want = ref.rope_neox(inputs[0], positions, inputs[0].shape[1] // hp.head_dim_k, hp.n_rot, hp.rope_base)
+        elif op == "matmul":
+            want = inputs[0] @ w[0].T + (w[1] if len(w) > 1 else 0)
+        elif op == "swiglu_matmul":
+            want = ref.swiglu(inputs[0], w[0], w[1])
+        elif op == "add":
+            want = sum(inputs[1:], inputs[0].astype(np.float64))
+        elif op == "kv_store":
+            keys[layer], values[layer] = ref.kv_round(inputs[0], runner.kv.k_type), ref.kv_round(inputs[1], runner.kv.v_type)
+            continue
+        elif op == "attention" and kind == "prefill" and start == 0:
+            want = ref.attention(inputs[0], keys[layer], values[layer], positions, hp.n_head, hp.n_head_kv)
+        elif op == "topk":
+            gating = node["gating"]
+            want = ref.route(inputs[0], hp.n_expert_used, gating, bias=w[0] if w else None)[0]
+        elif op == "route_weights":
+            logits = inputs[0].astype(np.float64)
+            if graph.nodes[f"blk.{layer}.topk"]["gating"] == "softmax":
+                probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+                probs /= probs.sum(axis=1, keepdims=True)
+            else:
+                probs = 1 / (1 + np.exp(-logits))
+            want = np.take_along_axis(probs, inputs[1].astype(np.int64), axis=1)
+            if node["normalize"]:
+                want = want / want.sum(axis=1, keepdims=True)
+            want = want * node["scale"]
+        elif op == "moe_swiglu_matmul":
+            ids = host[f"blk.{layer}.topk"]
+            rows = [ref.swiglu(inputs[0][r:r + 1], w[0][e], w[1][e])[0] for r in range(len(ids)) for e in ids[r]]
+            want = np.stack(rows)
+        elif op == "moe_down_matmul":
+            ids, k = host[f"blk.{layer}.topk"], hp.n_expert_used
+            route_w = inputs[2]
+            want = np.stack([sum(route_w[r, j] * (w[0][ids[r, j]] @ inputs[0][r * k + j]) for j in range(k))
+                             for r in range(len(ids))])
+        else:
+            want = None
+        if got is not None:
+            host[step.name] = got
+        if want is not None:
+            want = np.asarray(want, dtype=np.float64)
+            errors.append((step.name, float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))))
+    return errors
