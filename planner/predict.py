@@ -46,6 +46,8 @@ class SlotTable:
         self.extra = np.vstack([np.zeros((1, n_columns - 1)), np.cumsum(step, axis=0)])
 
     def total(self, slots):
+        if self.n_blocks == 0:              # a device that holds no MoE block
+            return np.zeros(np.shape(slots))
         slots = np.minimum(np.asarray(slots), self.n_slots_max)
         base, extra_blocks = np.divmod(slots, self.n_blocks)
         full = base >= self.extra.shape[1]
