@@ -153,7 +153,7 @@ class _Lowering:
             return Step(name, launch, (q, positions, self.page_tables[layer], self.kv_pages[layer], out))
         if op == "attention_combine":
             return Step(name, attention.make_attention_combine(hp.n_head, hp.head_dim_v), (inputs[0], out))
-        raise NotImplementedError(f"no kernel lowers op {op!r}")
+        raise ValueError(f"no kernel lowers op {op!r} (node {name})")
 
     def page_tokens(self, layer: int) -> int:
         return self.kv_pages[layer].page_tokens
