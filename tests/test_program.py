@@ -12,7 +12,7 @@ import pytest
 
 from runtime import reference
 from runtime.synthetic import write_model
-from tests.passes import PassRunner
+from tests.passes import PassRunner, node_errors
 
 
 def relative_l2(got, want) -> float:
@@ -61,6 +61,17 @@ def test_a_prompt_and_a_decode_step_match_the_reference(models, architecture, kv
     ids = prompt(rng, runner, 3)
     got = np.concatenate([runner.prefill(ids[:2], chunk=2), runner.decode(ids[2:], start=2)])
     assert relative_l2(got, reference.forward(path, ids, kv_type=kv)[1:]) < 1e-5
+
+
+def test_every_node_of_a_glm4moe_prompt_pass_matches_its_reference_op(models, rng):
+    """Each kernel of a whole pass (leading dense block, sigmoid router with bias, shared expert, partial RoPE,
+    attention biases) against its float64 op on the inputs it actually got: a failure names the node."""
+    runner = PassRunner(models["glm4moe"], kv="f32")
+    errors = node_errors(runner, "prefill", prompt(rng, runner, 3))
+    checked = {name.split(".")[-1] for name, _ in errors}
+    assert {"attn_norm", "q", "q_rope", "attention", "ffn_gate_up", "router", "topk", "route_weights",
+            "moe_gate_up", "moe_down", "ffn_gate_up_shexp", "logits"} <= checked
+    assert [(name, error) for name, error in errors if error > 1e-5] == []
 
 
 @pytest.mark.gpu
