@@ -46,7 +46,7 @@ class HParams:
 
 
 # metadata key (without the '{arch}.' prefix) -> field, required?, default
-_KEYS = {
+METADATA_KEYS = {
     "block_count": ("n_layer", True, None),
     "nextn_predict_layers": ("n_nextn", False, 0),
     "embedding_length": ("n_embd", True, None),
@@ -79,7 +79,7 @@ def hparams_from_metadata(metadata: dict, source: str, vocab_from_tensors: int |
         raise StratumError(f"unknown architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
                            source=source, field="general.architecture")
     values = {}
-    for key, (field, required, default) in _KEYS.items():
+    for key, (field, required, default) in METADATA_KEYS.items():
         full_key = f"{architecture}.{key}"
         value = metadata.get(full_key, default)
         if value is None and required:

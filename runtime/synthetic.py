@@ -33,31 +33,24 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower.weights import QUANT_BLOCK, PackedWeight, quantize, unpack
 from codegen.lower.weights import check_kernel_type
-from planner.architecture import (EXPERT_ROLES, SUPPORTED_ARCHITECTURES, HParams, hparams_from_metadata,
+from planner.architecture import (EXPERT_ROLES, METADATA_KEYS, SUPPORTED_ARCHITECTURES, HParams, hparams_from_metadata,
                                   tensor_layer, tensor_layout, tensor_role)
 from planner.errors import StratumError
 from planner.model import load_model
 
-# shape keyword -> (metadata key without the '<arch>.' prefix, GGUF value kind)
-_SHAPE_KEYS = {
-    "n_embd": ("embedding_length", "u32"),
-    "n_head": ("attention.head_count", "u32"),
-    "n_head_kv": ("attention.head_count_kv", "u32"),
-    "head_dim": (("attention.key_length", "attention.value_length"), "u32"),
-    "n_rot": ("rope.dimension_count", "u32"),
-    "n_ff": ("feed_forward_length", "u32"),
-    "n_ff_exp": ("expert_feed_forward_length", "u32"),
-    "n_expert": ("expert_count", "u32"),
-    "n_expert_used": ("expert_used_count", "u32"),
-    "n_expert_shared": ("expert_shared_count", "u32"),
-    "n_leading_dense": ("leading_dense_block_count", "u32"),
-    "n_vocab": ("vocab_size", "u32"),
-    "n_ctx_train": ("context_length", "u32"),
-    "rms_eps": ("attention.layer_norm_rms_epsilon", "f32"),
-    "rope_base": ("rope.freq_base", "f32"),
-    "expert_weights_scale": ("expert_weights_scale", "f32"),
-    "expert_weights_norm": ("expert_weights_norm", "bool"),
-}
+# shape keyword -> (metadata keys without the '<arch>.' prefix, GGUF value kind), from the planner's own table
+# (head_dim sets K's and V's; block_count and nextn_predict_layers come from n_trunk and nextn)
+def _shape_keys() -> dict:
+    value_kinds = {int: "u32", float: "f32", bool: "bool"}
+    keys = {}
+    for key, (field, _, _) in METADATA_KEYS.items():
+        if field not in ("n_layer", "n_nextn"):
+            keyword = "head_dim" if field in ("head_dim_k", "head_dim_v") else field
+            keys[keyword] = (keys.get(keyword, ((),))[0] + (key,), value_kinds[HParams.__annotations__[field]])
+    return keys
+
+
+_SHAPE_KEYS = _shape_keys()
 # n_trunk: blocks before the NextN blocks (block_count = n_trunk + nextn). head_dim 32: quant blocks fit a head,
 # so K/V may be quantized; glm4moe rotates half of each head, as GLM-4.5 does.
 _DEFAULT_SHAPES = {
@@ -179,7 +172,7 @@ def _describe(architecture: str, nextn: int | None, shape: dict) -> tuple[dict, 
     metadata = {prefix + "block_count": ("u32", shape.pop("n_trunk") + nextn)}
     for field, value in shape.items():
         keys, kind = _SHAPE_KEYS[field]
-        for key in (keys,) if isinstance(keys, str) else keys:
+        for key in keys:
             metadata[prefix + key] = (kind, value)
     if architecture == "glm4moe":
         metadata[prefix + "nextn_predict_layers"] = ("u32", nextn)
