@@ -36,6 +36,7 @@ from gguf.constants import GGMLQuantizationType as T
 from benchmarks.ceilings import fp32_peak_flops, read_bandwidth_bytes_per_s, time_s
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import attention as att
+from codegen.lower import kv_pages
 from codegen.lower.cuda import cuda
 from planner.kv import parse_kv_type, row_bytes
 from runtime.reference import attention as reference_attention, kv_round
@@ -113,9 +114,9 @@ class Layers:
         k = rng.standard_normal((context, s["n_head_kv"] * s["dk"]), dtype=np.float32)
         v = rng.standard_normal((context, s["n_head_kv"] * s["dv"]), dtype=np.float32)
         self.q = rng.standard_normal((q_rows, s["n_head"] * s["dk"]), dtype=np.float32)
-        pages = att.kv_arrays(kv_name, n_pages, s["page_tokens"], s["n_head_kv"], s["dk"], s["dv"])
+        pages = kv_pages.kv_arrays(kv_name, n_pages, s["page_tokens"], s["n_head_kv"], s["dk"], s["dv"])
         first = pages.allocate(lambda shape, dtype: cuda.device_array(shape, dtype))
-        att.make_kv_store(kv_name, s["n_head_kv"], s["dk"], s["dv"], s["page_tokens"])(
+        kv_pages.make_kv_store(kv_name, s["n_head_kv"], s["dk"], s["dv"], s["page_tokens"])(
             0, cuda.to_device(k), cuda.to_device(v), cuda.to_device(np.arange(context, dtype=np.int32)), self.table,
             first)
         self.kv_bytes = context * (row_bytes(s["n_head_kv"] * s["dk"], self.kv.k_type)
@@ -155,8 +156,8 @@ class Layers:
 def _element_at(ggml_type: T, dim: int, page_tokens: int):
     """at(data, scales, slot, head, t, d): dim d of a stored row, dequantized (F16, Q8_0)."""
     per_word = {T.F16: 2, T.Q8_0: 4}[ggml_type]
-    row_words, blocks = dim // per_word, dim // att.QUANT_BLOCK
-    _, value = att._element(ggml_type)
+    row_words, blocks = dim // per_word, dim // kv_pages.QUANT_BLOCK
+    _, value = kv_pages.element_format(ggml_type)
     quantized = ggml_type == T.Q8_0
 
     @cuda.jit(device=True, inline=True)
@@ -164,7 +165,7 @@ def _element_at(ggml_type: T, dim: int, page_tokens: int):
         row = head * page_tokens + t
         scale = np.float32(1)
         if quantized:
-            scale = np.float32(scales[slot, row * blocks + d // att.QUANT_BLOCK])
+            scale = np.float32(scales[slot, row * blocks + d // kv_pages.QUANT_BLOCK])
         return value(data[slot, row * row_words + d // per_word], d % per_word, scale)
     return at
 

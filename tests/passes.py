@@ -3,7 +3,7 @@ size, then decode windows. K/V pages are a plain table (page p in slot p) with r
 
 import numpy as np
 
-from codegen.lower.attention import kv_arrays
+from codegen.lower.kv_pages import kv_arrays
 from codegen.lower.cuda import cuda
 from codegen.lower.program import arena_layout, lower
 from codegen.lower.weights import read_gguf, upload

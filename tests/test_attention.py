@@ -13,6 +13,7 @@ from gguf.constants import GGMLQuantizationType as T
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import MAX_WINDOW
 from codegen.lower import attention as att
+from codegen.lower import kv_pages
 from codegen.lower.cuda import cuda
 from planner.errors import StratumError
 from planner.kv import parse_kv_type, row_bytes
@@ -37,7 +38,7 @@ class Setup:
         n_pages = -(-ctx // page_tokens)
         n_slots = n_pages + 3
         self.table = rng.permutation(n_slots)[:n_pages].astype(np.int32)
-        self.pages = att.kv_arrays(kv_name, n_slots, page_tokens, n_head_kv, dk, dv).allocate()
+        self.pages = kv_pages.kv_arrays(kv_name, n_slots, page_tokens, n_head_kv, dk, dv).allocate()
         self.k = rng.standard_normal((ctx, n_head_kv * dk)).astype(np.float32)
         self.v = rng.standard_normal((ctx, n_head_kv * dv)).astype(np.float32)
         self.q_from = q_from                   # queries for positions q_from..ctx-1
@@ -49,7 +50,7 @@ class Setup:
         self.v_ref = kv_round(self.v, self.kv.v_type)
 
     def store(self, positions):
-        launch = att.make_kv_store(self.kv_name, self.n_head_kv, self.dk, self.dv, self.page_tokens)
+        launch = kv_pages.make_kv_store(self.kv_name, self.n_head_kv, self.dk, self.dv, self.page_tokens)
         launch(0, cuda.to_device(self.k[positions]), cuda.to_device(self.v[positions]), cuda.to_device(positions),
                self.d_table, self.pages)
 
@@ -89,7 +90,7 @@ class Setup:
 def test_page_bytes_are_the_planners(kv_name, n_slots, page_tokens, n_head_kv, dk, dv):
     kv = parse_kv_type(kv_name)
     planned = n_slots * page_tokens * (row_bytes(n_head_kv * dk, kv.k_type) + row_bytes(n_head_kv * dv, kv.v_type))
-    pages = att.kv_arrays(kv_name, n_slots, page_tokens, n_head_kv, dk, dv)
+    pages = kv_pages.kv_arrays(kv_name, n_slots, page_tokens, n_head_kv, dk, dv)
     assert pages.nbytes == planned
     assert (pages.n_slots, pages.page_tokens) == (n_slots, page_tokens)
     allocated = pages.allocate(lambda shape, dtype: np.zeros(shape, dtype))
@@ -103,12 +104,12 @@ def test_page_bytes_are_the_planners(kv_name, n_slots, page_tokens, n_head_kv, d
 @pytest.mark.parametrize("kv_name", ["bf16", "q5_0", "q4_1"])
 def test_kv_types_without_kernels_are_refused(kv_name):
     with pytest.raises(StratumError, match="has no kernel"):
-        att.kv_arrays(kv_name, 2, 4, 1, 32, 32)
+        kv_pages.kv_arrays(kv_name, 2, 4, 1, 32, 32)
 
 
 def test_head_dims_must_be_whole_blocks():
     with pytest.raises(StratumError, match="multiple of 32"):
-        att.kv_arrays("f16", 2, 4, 1, 48, 32)
+        kv_pages.kv_arrays("f16", 2, 4, 1, 48, 32)
 
 
 def _stored_gguf_bytes(data, scales, ggml_type, slot, head, t, n_head_kv, page_tokens, dim):

@@ -5,7 +5,8 @@ Modules (each kernel's reference is the same-named function in `runtime.referenc
   weights     GGUF tensors repacked into kernel layouts, the same bytes; upload to the device
   matmul      dense matmuls (bias fused), SwiGLU gate/up, routed experts grouped by expert (prefill and
               decode families)
-  attention   K/V store into pages (f16, q8_0, q4_0 and mixes) and paged attention (prefill and decode)
+  kv_pages    the K/V pages: layout (the planner's bytes), element formats, the store (f16, q8_0, q4_0, mixes)
+  attention   paged attention over them (prefill and decode)
   pointwise   embedding, RMSNorm, per-head RMSNorm, NEOX RoPE, residual adds, concat, router top-k and
               weights (softmax, sigmoid + bias), argmax
   program     a pass graph bound to its kernels, weights, K/V and activation arena, run in order

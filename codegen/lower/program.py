@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from codegen.graph import build_pass, nodes_in_order, representative_layers
-from codegen.lower import attention, matmul, moe, pointwise
+from codegen.lower import attention, kv_pages, matmul, moe, pointwise
 from codegen.lower.cuda import cuda
 from codegen.memory import full_pass_offsets, plan_arena
 from planner.architecture import tensor_layer
@@ -143,7 +143,7 @@ class _Lowering:
             return Step(name, launch, (act, groups, route_weights, self.expert_slots[layer], down, out))
         if op == "kv_store":
             k, v, positions = inputs
-            launch = attention.make_kv_store(self.kv_type, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v,
+            launch = kv_pages.make_kv_store(self.kv_type, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v,
                                              self.page_tokens(layer))
             return Step(name, launch, (k, v, positions, self.page_tables[layer], self.kv_pages[layer]))
         if op == "attention":
@@ -164,7 +164,7 @@ def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, aren
     """Bind every node of `graph` to its kernel.
 
     weights: GGUF tensor name -> DeviceWeight; kv_pages: layer -> the layer's K/V pages on the device
-    (`attention.kv_arrays(...)`, allocated); page_tables: layer -> int32 device array (logical page -> slot);
+    (`kv_pages.kv_arrays(...)`, allocated); page_tables: layer -> int32 device array (logical page -> slot);
     arena: a device uint8 array of the pass's arena bytes; offsets: tensor -> byte offset (`arena_layout`);
     expert_slots: MoE layer -> int32 device array (expert id -> index in that layer's expert weights; the
     identity when omitted).
