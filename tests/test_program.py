@@ -15,6 +15,13 @@ from runtime.synthetic import write_model
 from tests.passes import PassRunner, node_errors
 
 
+def tolerance(kv: str) -> float:
+    """DESIGN.md's accuracy for whole passes: 1e-4 relative L2. With f32 K/V the kernels keep 1e-5. A rounded
+    K/V cache can flip a value that lies within float32 error of a rounding boundary to the neighbouring f16
+    or quant step (about 1e-3 relative for that value), which a whole pass carries to its logits."""
+    return 1e-5 if kv == "f32" else 1e-4
+
+
 def relative_l2(got, want) -> float:
     return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
 
@@ -42,13 +49,13 @@ def check_prompt_and_decode(path, kv: str, chunks: tuple, windows: tuple, rng, n
         ids = ids or prompt(rng, runner, n_prompt + max(windows))
         results.append((runner.prefill(ids[:n_prompt], chunk)[-1], runner.kv_bytes()))
     want = reference.forward(path, ids, kv_type=kv)
-    assert relative_l2(results[0][0], want[n_prompt - 1]) < 1e-5
+    assert relative_l2(results[0][0], want[n_prompt - 1]) < tolerance(kv)
     for logits, kv_bytes in results[1:]:
         assert np.array_equal(logits, results[0][0])
         assert all(np.array_equal(a, b) for a, b in zip(kv_bytes, results[0][1]))
     singles = np.stack([runner.decode([token], start=n_prompt + i)[0]
                         for i, token in enumerate(ids[n_prompt:n_prompt + max(windows)])])
-    assert relative_l2(singles, want[n_prompt:]) < 1e-5
+    assert relative_l2(singles, want[n_prompt:]) < tolerance(kv)
     for window in windows:
         assert np.array_equal(runner.decode(ids[n_prompt:n_prompt + window], start=n_prompt), singles[:window])
 
@@ -60,7 +67,7 @@ def test_a_prompt_and_a_decode_step_match_the_reference(models, architecture, kv
     runner = PassRunner(path, kv=kv, max_tokens=8)
     ids = prompt(rng, runner, 3)
     got = np.concatenate([runner.prefill(ids[:2], chunk=2), runner.decode(ids[2:], start=2)])
-    assert relative_l2(got, reference.forward(path, ids, kv_type=kv)[1:]) < 1e-5
+    assert relative_l2(got, reference.forward(path, ids, kv_type=kv)[1:]) < tolerance(kv)
 
 
 def test_every_node_of_a_glm4moe_prompt_pass_matches_its_reference_op(models, rng):
