@@ -397,9 +397,34 @@ def decode_table(rng, bandwidth):
           ["type", "n_out x n_in", "MB", "us", "GB/s", "of read BW", "large", "8 rows us", "rel err"], rows)
 
 
-def moe_decode_step(rng, bandwidth):
+def decode_sweep(rng, bandwidth):
+    """The decode kernel's free parameters (lanes per row group, rows per group, chunks in flight) at one
+    token, Q8_0, beside the choice `matmul.decode_shape` makes."""
+    rows = []
+    fmt = matmul.FORMATS[T.Q8_0]
+    placeholder = cuda.to_device(np.zeros(1, np.float32))
+    for n_out, n_in in [(4096, 4096), (12288, 4096), (151936, 4096)]:
+        packed = random_packed(rng, T.Q8_0, (n_out, n_in))
+        copies = copies_for(packed.nbytes)
+        device = [matmul.words(weights.upload(packed)) for _ in range(copies)]
+        x = cuda.to_device(rng.standard_normal((1, n_in), dtype=np.float32))
+        out = cuda.device_array((1, n_out), np.float32)
+        chosen = matmul.decode_shape(fmt, n_in, n_out, 1)
+        for tg, nr, unroll in [(t, n, u) for t in (32, 64, 128, 256) for n in (2, 4) for u in (1, 2)]:
+            shape = chosen._replace(tg=tg, groups=256 // tg, nr=nr, unroll=unroll)
+            launch = matmul.decode_kernel(T.Q8_0, n_in, False, False, shape)
+            seconds = graph_seconds(lambda s, i: launch(s, x, *device[i % copies], *device[i % copies],
+                                                        placeholder, out), max(copies, MIN_LAUNCHES))
+            rows.append((f"{n_out} x {n_in}", tg, nr, unroll, f"{seconds * 1e6:.1f}",
+                         f"{packed.nbytes / seconds / bandwidth:.0%}", "chosen" if shape == chosen else ""))
+    table("Decode matmul sweep, Q8_0, one token", ["n_out x n_in", "lanes per row", "rows per group",
+                                                    "chunks in flight", "us", "of read BW", ""], rows)
+
+
+def moe_decode_step(rng, bandwidth, sweep=False):
     """One decode step of a Qwen3-30B-A3B MoE layer (Q8_0): groups, gate/up, down; expert ids on the device,
-    each captured step using 8 other experts (16 steps cycle through all 128: nothing stays in L2)."""
+    each captured step using 8 other experts (16 steps cycle through all 128: nothing stays in L2).
+    `sweep`: also time gate/up and down over their free shape parameters."""
     e_dim, f_dim, n_expert, k = (QWEN3_30B[key] for key in ("n_embd", "n_ff", "n_expert", "k"))
     gate, up = (random_packed(rng, T.Q8_0, (n_expert, f_dim, e_dim)) for _ in range(2))
     down = random_packed(rng, T.Q8_0, (n_expert, e_dim, f_dim))
@@ -438,6 +463,24 @@ def moe_decode_step(rng, bandwidth):
     table(f"MoE decode step, Qwen3-30B-A3B layer shape (n_embd {e_dim}, n_ff_exp {f_dim}, {n_expert} experts, "
           f"{k} used, Q8_0): {nbytes / 1e6:.1f} MB of expert weights read; {nbytes / step / 1e9:.0f} GB/s = "
           f"{nbytes / step / bandwidth:.0%} of read BW; rel err {err:.1e}", ["kernel", "us"], rows)
+    if not sweep:
+        return
+    rows = []
+    swiglu_base, down_base = moe.decode_swiglu_shape(T.Q8_0, e_dim, 1), moe.decode_down_shape(T.Q8_0, f_dim, 1)
+    for tg in (32, 64, 128):
+        for nr in (1, 2, 4, 8):
+            shape = swiglu_base._replace(tg=tg, groups=256 // tg, nr=nr)
+            if nr <= 4:
+                kernel = moe.decode_swiglu(T.Q8_0, e_dim, f_dim, n_expert, k, shape)
+                seconds = graph_seconds(lambda s, i: kernel(s, x, groups[i], slot_of, *matmul.words(dg),
+                                                            *matmul.words(du), act), steps)
+                rows.append(("gate/up", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == swiglu_base else ""))
+            shape = down_base._replace(tg=tg, groups=256 // tg, nr=nr)
+            kernel = moe.decode_down(T.Q8_0, f_dim, e_dim, n_expert, k, shape)
+            seconds = graph_seconds(lambda s, i: kernel(s, act, groups[i], route_w, slot_of, *matmul.words(dd),
+                                                        out), steps)
+            rows.append(("down", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == down_base else ""))
+    table("MoE decode kernels' sweep (one token)", ["kernel", "lanes per row", "rows per group", "us", ""], rows)
 
 
 def prefill_table(rng, peak, theoretical):
@@ -482,8 +525,10 @@ def main():
                                                    f"({device.MULTIPROCESSOR_COUNT} SMs x 128 lanes x 2 x clock)"
                                                    if theoretical else ""))
     sections = {"decode-versions": lambda: decode_versions(rng, bandwidth),
+                "decode-sweep": lambda: decode_sweep(rng, bandwidth),
                 "decode": lambda: decode_table(rng, bandwidth),
                 "moe": lambda: moe_decode_step(rng, bandwidth),
+                "moe-sweep": lambda: moe_decode_step(rng, bandwidth, sweep=True),
                 "prefill-versions": lambda: prefill_versions(rng, peak),
                 "prefill": lambda: prefill_table(rng, peak, theoretical)}
     chosen = sys.argv[1:] or list(sections)

@@ -106,6 +106,25 @@ def test_decode_rows_do_not_depend_on_the_window(rng):
     assert_rows_reproduced("decode", T.Q4_0, x, w, alone, [(0, window) for window in range(2, 6)])
 
 
+def test_decode_rows_do_not_depend_on_rows_per_group_or_chunks_in_flight(rng):
+    """The decode shape's free parameters (weight rows a group owns, chunks a lane holds in flight) change
+    which lanes load what, never a row's sum: the kernel picks them per window, and windows must agree."""
+    n_in, n_out = 256, 20
+    packed, w, _ = packed_weight(rng, T.Q8_0, (n_out, n_in))
+    data, scales = matmul.words(w)
+    x = cuda.to_device(activations(rng, 3, n_in))
+    base = matmul.decode_shape(matmul.FORMATS[T.Q8_0], n_in, n_out, 3)
+    results = []
+    for nr, unroll in [(1, 1), (2, 2), (8, 1), (3, 2)]:
+        out = cuda.to_device(np.full((3, n_out), np.nan, np.float32))
+        kernel = matmul.decode_kernel(T.Q8_0, n_in, False, False, base._replace(nr=nr, unroll=unroll))
+        kernel(0, x, data, scales, data, scales, x, out)
+        results.append(out.copy_to_host())
+    assert not np.isnan(results[0]).any()
+    for other in results[1:]:
+        assert np.array_equal(other, results[0])
+
+
 def test_decode_swiglu_rows_do_not_depend_on_the_window(rng):
     _, gate, _ = packed_weight(rng, T.Q4_0, (24, 128))
     _, up, _ = packed_weight(rng, T.Q4_0, (24, 128))

@@ -160,43 +160,67 @@ def silu(g):
 
 
 MAX_UNROLL = 4
+ROW_VALUES = 4      # weight rows x window rows a lane accumulates, at most: its sums stay in registers
 
 
 class DecodeShape(NamedTuple):
-    tg: int         # threads of a group (a power of two)
+    tg: int         # threads of a group (a power of two); fixes the reduction order, so never a window's choice
     groups: int     # groups in a block
     nr: int         # weight rows of a group (per matrix)
     cw: int         # words a lane reads per chunk (one scale)
     unroll: int     # chunks in flight per lane
+    window: int     # activation rows the kernel is compiled for
 
 
 def chunk_words(fmt: Format) -> int:
     return 1 if fmt.vpw == 8 else 2
 
 
-def decode_shape(fmt: Format, n_in: int, n_out: int) -> DecodeShape:
-    """A warp per 2 rows while that makes >= 1024 warps; fewer rows than that get more lanes per row (up
-    to 128, and no more than the row has chunks). 2 chunks per lane in flight, 2 more loading ahead."""
-    nr, cw = 2, chunk_words(fmt)
-    chunks = n_in // fmt.vpw // cw
-    groups = -(-n_out // nr)
+def group_threads(fmt: Format, n_in: int, n_out: int) -> int:
+    """Lanes per row group: a warp, or up to 128 when a matrix has too few rows to give 1024 warps two rows
+    each (never more than a row has chunks). A function of the matrix alone: a row's sum is then computed in
+    the same order whatever window the kernel serves."""
+    chunks = n_in // fmt.vpw // chunk_words(fmt)
     tg = 32
-    while tg < 128 and tg < chunks and groups * tg < 32 * 1024:
+    while tg < 128 and tg < chunks and -(-n_out // 2) * tg < 32 * 1024:
         tg *= 2
-    return DecodeShape(tg, 256 // tg, nr, cw, min(-(-chunks // tg), 2))
+    return tg
+
+
+def window_rows(x) -> int:
+    """The decode window x holds, checked: a kernel is compiled for each window size it meets."""
+    if not 1 <= x.shape[0] <= MW:
+        raise ValueError(f"decode window of {x.shape[0]} rows: the decode family takes 1..{MW}")
+    return x.shape[0]
 
 
 @functools.cache
-def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unroll: int):
-    """(dot, reduce) device functions for groups of `tg` lanes over `n_a` rows of matrix a and `n_b` of b.
+def decode_shape(fmt: Format, n_in: int, n_out: int, window: int) -> DecodeShape:
+    """A group takes 2 rows, or as many as its sums allow (ROW_VALUES / window: a chunk's activation loads
+    then serve more rows), fewer while that leaves under 1024 warps; one chunk per lane in flight while the
+    previous one is applied (more cost registers and measured slower: BENCHMARKS.md's sweep)."""
+    tg, cw = group_threads(fmt, n_in, n_out), chunk_words(fmt)
+    nr = max(2, ROW_VALUES // window)
+    while nr > 1 and -(-n_out // nr) * tg < 32 * 1024:
+        nr //= 2
+    return DecodeShape(tg, 256 // tg, nr, cw, 1, window)
+
+
+@functools.cache
+def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unroll: int, window: int):
+    """(dot, reduce) device functions for groups of `tg` lanes over `n_a` rows of matrix a and `n_b` of b,
+    compiled for activation windows of up to `window` rows.
 
     dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc): the lane's partial sums
       acc[i, r] of weight row i (rows row_a.. of a, then row_b.. of b; clamped to last_*) with activation
-      row xrow[r] of x, r < nx (nothing, not even a load, when nx is 0).
-    reduce(red, g, lane, acc, nx): group g's lanes summed in a fixed tree: totals in red[g, i * MW + r, 0].
+      row xrow[r] of x, r < nx <= window (nothing, not even a load, when nx is 0).
+    reduce(red, g, lane, acc, nx): group g's lanes summed in a fixed tree: totals in red[g, i * window + r, 0].
+    A sum's operations depend on (type, n_in, tg, cw) only: every window and row count gives bitwise the same.
     """
     if not 1 <= unroll <= MAX_UNROLL:
         raise ValueError(f"unroll {unroll}: 1..{MAX_UNROLL} chunks in flight")
+    if not 1 <= window <= MW:
+        raise ValueError(f"window {window}: the decode family takes 1..{MW} rows")
     fmt = FORMATS[T(ggml_type)]
     vpw, wps, decode, elem = fmt.vpw, fmt.wps, fmt.decode, fmt.elem
     wpr = n_in // vpw
@@ -217,7 +241,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unro
             for i in range(nw):
                 for q in range(cw):
                     decode(held[u, i, q], vals, i, q * vpw)
-            for r in range(MW):
+            for r in range(window):
                 if r < nx:
                     xr = U(xrow[r])
                     for q in range(cw):
@@ -248,7 +272,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unro
     @cuda.jit(device=True, inline=True)
     def dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc):
         for i in range(nw):
-            for r in range(MW):
+            for r in range(window):
                 acc[i, r] = np.float32(0)
         if nx > 0:
             woff = cuda.local.array(nw, np.int64)
@@ -286,17 +310,17 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unro
     @cuda.jit(device=True, inline=True)
     def reduce(red, g, lane, acc, nx):
         for i in range(nw):
-            for r in range(MW):
+            for r in range(window):
                 if r < nx:
-                    red[g, i * MW + r, lane] = acc[i, r]
+                    red[g, i * window + r, lane] = acc[i, r]
         for level in range(levels):
             stride = tg >> (level + 1)
             cuda.syncthreads()
             if lane < stride:
                 for i in range(nw):
-                    for r in range(MW):
+                    for r in range(window):
                         if r < nx:
-                            red[g, i * MW + r, lane] += red[g, i * MW + r, lane + stride]
+                            red[g, i * window + r, lane] += red[g, i * window + r, lane + stride]
         cuda.syncthreads()
 
     return dot, reduce
@@ -305,11 +329,11 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unro
 @functools.cache
 def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeShape):
     """launch(stream, x, wa, sa, wb, sb, b, out): the decode family's dense kernel (SwiGLU: a = gate,
-    b = up) for any n_out = out.shape[1]."""
-    tg, groups, nr = shape.tg, shape.groups, shape.nr
+    b = up) for any n_out = out.shape[1] and x.shape[0] <= shape.window."""
+    tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
     n_b = nr if swiglu else 0
-    dot, reduce = decode_core(ggml_type, n_in, nr, n_b, tg, shape.cw, shape.unroll)
-    red_shape, acc_shape = (groups, (nr + n_b) * MW, tg), (nr + n_b, MW)
+    dot, reduce = decode_core(ggml_type, n_in, nr, n_b, tg, shape.cw, shape.unroll, window)
+    red_shape, acc_shape = (groups, (nr + n_b) * window, tg), (nr + n_b, window)
 
     @cuda.jit
     def kernel(x, wa, sa, wb, sb, b, out):
@@ -318,18 +342,18 @@ def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeS
         g, lane = t // tg, t % tg
         n0 = ((cuda.blockIdx.x & BIDX) * groups + g) * nr
         nx, n_out = x.shape[0], out.shape[1]
-        xrow = cuda.local.array(MW, np.int64)
-        for r in range(MW):
+        xrow = cuda.local.array(window, np.int64)
+        for r in range(window):
             xrow[r] = r
         acc = cuda.local.array(acc_shape, np.float32)
         dot(wa, sa, wb, sb, n0, n0, n_out - 1, n_out - 1, x, xrow, nx, lane, acc)
         reduce(red, g, lane, acc, nx)
-        for j in range(lane, nr * MW, tg):
-            i, r = j // MW, j % MW
+        for j in range(lane, nr * window, tg):
+            i, r = j // window, j % window
             if r < nx and n0 + i < n_out:
                 value = red[g, j, 0]
                 if swiglu:
-                    value = silu(value) * red[g, (nr + i) * MW + r, 0]
+                    value = silu(value) * red[g, (nr + i) * window + r, 0]
                 elif bias:
                     value += b[n0 + i]
                 out[r, n0 + i] = value
@@ -505,9 +529,13 @@ def prefill_bm(n_out: int) -> int:
 
 def _dense(family: str, ggml_type, n_in: int, n_out: int, bias: bool, swiglu: bool):
     fmt = check(family, ggml_type, n_in, n_out)
-    if family == "decode":
-        return decode_kernel(T(ggml_type), n_in, bias, swiglu, decode_shape(fmt, n_in, n_out))
-    return prefill_kernel(T(ggml_type), n_in, bias, swiglu, prefill_bm(n_out))
+    if family == "prefill":
+        return prefill_kernel(T(ggml_type), n_in, bias, swiglu, prefill_bm(n_out))
+
+    def launch(stream, x, wa, sa, wb, sb, b, out):
+        shape = decode_shape(fmt, n_in, n_out, window_rows(x))
+        decode_kernel(T(ggml_type), n_in, bias, swiglu, shape)(stream, x, wa, sa, wb, sb, b, out)
+    return launch
 
 
 @functools.cache

@@ -22,8 +22,8 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower.cuda import cuda
-from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, FORMATS, IDX, MW, PAD, THREADS, W_TILE, DecodeShape, check,
-                                  chunk_words, decode_core, prefill_core, silu, words)
+from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, FORMATS, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
+                                  check, chunk_words, decode_core, prefill_core, silu, window_rows, words)
 
 GROUP_THREADS = 1024    # at most, for make_moe_groups: (expert, segment) items, one thread each
 GROUP_SEGMENT_PAIRS = 512   # pairs per segment, at least: few pairs (decode) get one segment, one thread each
@@ -104,27 +104,29 @@ def make_moe_groups(n_expert: int, k: int):
 # decode family
 
 
-def decode_swiglu_shape(ggml_type, n_in: int) -> DecodeShape:
-    """1 gate + 1 up row per group of 64 lanes: an expert's columns spread over many blocks, and few
-    registers (a group's weight rows each hold MAX_WINDOW sums and their chunks in flight)."""
+def decode_swiglu_shape(ggml_type, n_in: int, window: int) -> DecodeShape:
+    """A warp per group, 1 gate + 1 up row or as many pairs as its sums allow (ROW_VALUES / 2 / window): an
+    expert's columns spread over many blocks, each chunk's activations serve every row."""
     fmt = FORMATS[T(ggml_type)]
     cw = chunk_words(fmt)
-    return DecodeShape(64, 4, 1, cw, min(2, -(-(n_in // fmt.vpw // cw) // 64)))
+    nr = max(1, ROW_VALUES // 2 // window)
+    return DecodeShape(32, 8, nr, cw, 1, window)
 
 
-def decode_down_shape(ggml_type, n_ff: int) -> DecodeShape:
-    """A warp per active expert (a one-token step's 8 at once), 2 rows each."""
+def decode_down_shape(ggml_type, n_ff: int, window: int) -> DecodeShape:
+    """A warp per active expert (a one-token step's 8 at once), 2 rows each or ROW_VALUES / window."""
     fmt = FORMATS[T(ggml_type)]
     cw = chunk_words(fmt)
-    return DecodeShape(32, 8, 2, cw, min(2, -(-(n_ff // fmt.vpw // cw) // 32)))
+    nr = max(2, ROW_VALUES // window)
+    return DecodeShape(32, 8, nr, cw, 1, window)
 
 
 @functools.cache
 def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape: DecodeShape):
     """launch(stream, x, groups, slot_of, ga, gs, ua, us, act): the decode family's routed gate/up."""
-    tg, groups, nr = shape.tg, shape.groups, shape.nr
-    dot, reduce = decode_core(ggml_type, n_in, nr, nr, tg, shape.cw, shape.unroll)
-    red_shape, acc_shape = (groups, 2 * nr * MW, tg), (2 * nr, MW)
+    tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
+    dot, reduce = decode_core(ggml_type, n_in, nr, nr, tg, shape.cw, shape.unroll, window)
+    red_shape, acc_shape = (groups, 2 * nr * window, tg), (2 * nr, window)
 
     @cuda.jit
     def kernel(x, grouped, slot_of, ga, gs, ua, us, act):
@@ -137,10 +139,10 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
             return
         e = grouped[active + 1 + y]
         first = grouped[e]
-        nx = min(grouped[e + 1] - first, MW)
-        pair = cuda.local.array(MW, np.int64)
-        xrow = cuda.local.array(MW, np.int64)
-        for r in range(MW):
+        nx = min(grouped[e + 1] - first, window)
+        pair = cuda.local.array(window, np.int64)
+        xrow = cuda.local.array(window, np.int64)
+        for r in range(window):
             if r < nx:
                 pair[r] = grouped[n_expert + 1 + first + r]
                 xrow[r] = pair[r] // k
@@ -149,10 +151,10 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
         acc = cuda.local.array(acc_shape, np.float32)
         dot(ga, gs, ua, us, base + n0, base + n0, base + n_ff - 1, base + n_ff - 1, x, xrow, nx, lane, acc)
         reduce(red, g, lane, acc, nx)
-        for j in range(lane, nr * MW, tg):
-            i, r = j // MW, j % MW
+        for j in range(lane, nr * window, tg):
+            i, r = j // window, j % window
             if r < nx and n0 + i < n_ff:
-                act[pair[r], n0 + i] = silu(red[g, j, 0]) * red[g, (nr + i) * MW + r, 0]
+                act[pair[r], n0 + i] = silu(red[g, j, 0]) * red[g, (nr + i) * window + r, 0]
 
     col_blocks = -(-n_ff // (groups * nr))
 
@@ -166,9 +168,9 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
 def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: DecodeShape):
     """launch(stream, act, groups, route_w, slot_of, dw, ds, out): the decode family's routed down
     projection with the weighted sum; the block's groups take the active experts in turn."""
-    tg, groups, nr = shape.tg, shape.groups, shape.nr
-    dot, reduce = decode_core(ggml_type, n_ff, nr, 0, tg, shape.cw, shape.unroll)
-    red_shape, dots_shape, acc_shape = (groups, nr * MW, tg), (MW * k, nr), (nr, MW)
+    tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
+    dot, reduce = decode_core(ggml_type, n_ff, nr, 0, tg, shape.cw, shape.unroll, window)
+    red_shape, dots_shape, acc_shape = (groups, nr * window, tg), (window * k, nr), (nr, window)
 
     @cuda.jit
     def kernel(act, grouped, route_w, slot_of, dw, ds, out):
@@ -180,8 +182,8 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
         active = n_expert + 1 + rows * k
         n_active = grouped[active]
         n0 = (cuda.blockIdx.x & BIDX) * nr
-        pair = cuda.local.array(MW, np.int64)
-        xrow = cuda.local.array(MW, np.int64)     # = pair, kept apart: the hot loop indexes it by constants
+        pair = cuda.local.array(window, np.int64)
+        xrow = cuda.local.array(window, np.int64)     # = pair, kept apart: the hot loop indexes it by constants
         acc = cuda.local.array(acc_shape, np.float32)
         for it in range(-(-n_active // groups)):
             y = it * groups + g
@@ -189,17 +191,17 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
             if y < n_active:
                 e = grouped[active + 1 + y]
                 first = grouped[e]
-                nx = min(grouped[e + 1] - first, MW)
+                nx = min(grouped[e + 1] - first, window)
                 base = slot_of[e] * n_out
-                for r in range(MW):
+                for r in range(window):
                     if r < nx:
                         pair[r] = grouped[n_expert + 1 + first + r]
                         xrow[r] = pair[r]
             dot(dw, ds, dw, ds, base + n0, base, base + n_out - 1, base, act, xrow, nx, lane, acc)
             reduce(red, g, lane, acc, nx)
-            for j in range(lane, nr * MW, tg):
-                if j % MW < nx:
-                    dots[pair[j % MW], j // MW] = red[g, j, 0]
+            for j in range(lane, nr * window, tg):
+                if j % window < nx:
+                    dots[pair[j % window], j // window] = red[g, j, 0]
             cuda.syncthreads()
         for q in range(t, rows * nr, groups * tg):
             r, i = q // nr, q % nr
@@ -353,10 +355,10 @@ def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_exper
     with s = slot_of[ids[r, j]]; gate/up (n_slots, n_ff, n_in)."""
     check(family, ggml_type, n_in, n_ff)
     if family == "decode":
-        inner = decode_swiglu(T(ggml_type), n_in, n_ff, n_expert, k, decode_swiglu_shape(ggml_type, n_in))
-
         def launch(stream, x, grouped, slot_of, gate, up, act):
-            inner(stream, x, grouped, slot_of, *words(gate), *words(up), act)
+            shape = decode_swiglu_shape(ggml_type, n_in, window_rows(x))
+            decode_swiglu(T(ggml_type), n_in, n_ff, n_expert, k, shape)(
+                stream, x, grouped, slot_of, *words(gate), *words(up), act)
         return launch
     kernel, col_tiles = prefill_kernel(T(ggml_type), n_in, n_ff, n_expert, k, False)
 
@@ -372,10 +374,10 @@ def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert
     route_w[r, j] * (down[slot_of[ids[r, j]]] @ act[r * k + j]); down (n_slots, n_out, n_ff)."""
     check(family, ggml_type, n_ff, n_out)
     if family == "decode":
-        inner = decode_down(T(ggml_type), n_ff, n_out, n_expert, k, decode_down_shape(ggml_type, n_ff))
-
         def launch(stream, act, grouped, route_w, slot_of, down, out):
-            inner(stream, act, grouped, route_w, slot_of, *words(down), out)
+            shape = decode_down_shape(ggml_type, n_ff, window_rows(route_w))
+            decode_down(T(ggml_type), n_ff, n_out, n_expert, k, shape)(
+                stream, act, grouped, route_w, slot_of, *words(down), out)
         return launch
     kernel, col_tiles = prefill_kernel(T(ggml_type), n_ff, n_out, n_expert, k, True)
 
