@@ -10,7 +10,7 @@ from codegen.memory import ARENA_ALIGNMENT_BYTES
 from planner.architecture import tensor_layer
 
 REGION_ORDER = ("dense", "drafter_dense", "drafter_experts", "kv_ring", "drafter_kv", "expert_cache",
-                "prefill_ring", "arena")
+                "prefill_ring", "arena", "tables")
 REGION_PURPOSE = {
     "dense": "attention, norms, router, shared expert, embeddings, output head: read every token",
     "drafter_dense": "the NextN (MTP) block's dense tensors",
@@ -20,6 +20,7 @@ REGION_PURPOSE = {
     "expert_cache": "decode's slots for the hottest routed experts; misses read mapped host memory",
     "prefill_ring": "slots through which a prompt chunk streams the experts it needs",
     "arena": "activations of the largest pass (static offsets from codegen.memory)",
+    "tables": "the K/V page table and each MoE block's expert-slot tables (decode and prefill)",
 }
 
 
@@ -65,9 +66,24 @@ def drafter_tensor_names(model, cls: str) -> list[str]:
     return [t.name for t in model.tensors if model.tensor_class[t.name] == cls]
 
 
-def fixed_region_sizes(model, blocks, first: bool, last: bool, mtp: bool) -> dict:
-    """The regions whose size no knob changes: a GPU's dense weights, and the drafter's on the last GPU."""
-    sizes = {"dense": tensors_bytes(model, dense_tensor_names(model, blocks, first, last))}
+def table_sizes(full_pages: int, n_expert: int, moe_blocks) -> dict:
+    """The runtime's device tables on one GPU, name -> bytes, carved in this order on aligned offsets: the
+    page table (logical K/V page -> ring slot, shared by every block), and per MoE block the expert-slot
+    tables decode and prefill read (expert -> VRAM slot, or -1 for the host copy)."""
+    sizes = {"page_table": 4 * full_pages}
+    for block in moe_blocks:
+        sizes[f"blk.{block}.decode_slots"] = 4 * n_expert
+        sizes[f"blk.{block}.prefill_slots"] = 4 * n_expert
+    return sizes
+
+
+def fixed_region_sizes(model, blocks, first: bool, last: bool, mtp: bool, full_pages: int) -> dict:
+    """The regions whose size no knob changes: a GPU's dense weights and tables, and the drafter's on the
+    last GPU."""
+    moe_blocks = [b for b in blocks if model.hparams.is_moe_layer(b)]
+    tables = table_sizes(full_pages, model.hparams.n_expert, moe_blocks)
+    sizes = {"dense": tensors_bytes(model, dense_tensor_names(model, blocks, first, last)),
+             "tables": sum(aligned(size) for size in tables.values())}
     if mtp and last:
         sizes["drafter_dense"] = tensors_bytes(model, drafter_tensor_names(model, "drafter_dense"))
         sizes["drafter_experts"] = tensors_bytes(model, drafter_tensor_names(model, "drafter_expert"))

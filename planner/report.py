@@ -18,13 +18,14 @@ TEXT_WIDTH = 100
 # One symbol per region, plus free and reserved: first letters where they are unique, case marking the
 # drafter's own regions, so a bar reads without its legend once the letters are familiar.
 SYMBOL = {"dense": "D", "drafter_dense": "d", "drafter_experts": "e", "kv_ring": "K", "drafter_kv": "k",
-          "expert_cache": "E", "prefill_ring": "P", "arena": "A", "free": ".", "reserved": "#"}
+          "expert_cache": "E", "prefill_ring": "P", "arena": "A", "tables": "T", "free": ".",
+          "reserved": "#"}
 ANSI = {"dense": "97;44", "drafter_dense": "97;45", "drafter_experts": "30;105", "kv_ring": "30;42",
         "drafter_kv": "30;102", "expert_cache": "30;43", "prefill_ring": "30;46", "arena": "97;41",
-        "free": "30;47", "reserved": "97;100"}
+        "tables": "30;103", "free": "30;47", "reserved": "97;100"}
 COLOR = {"dense": "#4e79a7", "drafter_dense": "#b07aa1", "drafter_experts": "#d4a6c8", "kv_ring": "#59a14f",
          "drafter_kv": "#8cd17d", "expert_cache": "#f28e2b", "prefill_ring": "#76b7b2", "arena": "#e15759",
-         "reserved": "#9d9d9d"}
+         "tables": "#edc948", "reserved": "#9d9d9d"}
 EXTRA_PURPOSE = {"free": "usable VRAM no region takes", "reserved": "held by the driver, the CUDA context and "
                  "the display: never given to the plan"}
 

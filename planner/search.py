@@ -144,7 +144,8 @@ def make_problem(hardware, model, context=None, kv="f16", mtp=None, workload=Non
     workload = workload.for_context(context)
     shares = split_blocks(model, profile)
     costs = [DeviceCost(model, share, kv_type, workload, mtp) for share in shares]
-    fixed = [fixed_region_sizes(model, share.blocks, share.first, share.last, mtp) for share in shares]
+    full_pages = -(-context // page_tokens)
+    fixed = [fixed_region_sizes(model, share.blocks, share.first, share.last, mtp, full_pages) for share in shares]
     return Problem(model, profile, kv_type, context, mtp, workload, page_tokens, shares, costs, fixed)
 
 
@@ -365,7 +366,7 @@ def refusal(problem: Problem) -> DoesNotFit:
         need = {"dense weights": fixed["dense"],
                 "K/V ring (minimum)": problem.kv_bytes(i, problem.min_pages(chunk)),
                 "prefill ring (2 slots)": MIN_RING_SLOTS * problem.slot_bytes,
-                "activation arena": problem.arena_bytes(chunk)}
+                "activation arena": problem.arena_bytes(chunk), "tables": fixed["tables"]}
         if share.last and problem.mtp:
             need["drafter (MTP)"] = aligned(fixed["drafter_dense"]) + aligned(fixed["drafter_experts"]) + \
                 problem.drafter_kv_bytes(chunk)
