@@ -1,4 +1,4 @@
-"""`stratum`: plan, inspect and compare VRAM layouts.
+"""`stratum`: plan, inspect and compare VRAM layouts; run a plan (`run`, `bench`: runtime.commands).
 
 Bad input ends in one line naming the file and the field, and exit code 2; never a traceback.
 """
@@ -135,6 +135,38 @@ def cmd_models(args):
               f"{'  + MTP drafter' if model.has_drafter else ''}")
 
 
+def cmd_run(args):
+    from runtime.commands import run
+    run(args)
+
+
+def cmd_bench(args):
+    from runtime.commands import bench
+    bench(args)
+
+
+def _add_engine_arguments(sub):
+    p = sub.add_parser("run", help="run a plan on this machine's GPU: prompt token ids in, new token ids out")
+    p.add_argument("--plan", required=True, help="a plan YAML (`stratum plan -o`)")
+    p.add_argument("--model", required=True, help="the GGUF file the plan was made for")
+    p.add_argument("--prompt-ids", required=True, help="prompt token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--stop-ids", type=int, nargs="*", help="stop after generating one of these ids")
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--quiet", action="store_true", help="no progress lines at start")
+    p.set_defaults(run=cmd_run)
+    p = sub.add_parser("bench", help="measured prefill and decode tok/s beside the plan's predictions")
+    p.add_argument("--plan", required=True, help="a plan YAML (`stratum plan -o`)")
+    p.add_argument("--model", required=True, help="the GGUF file the plan was made for")
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[512], help="prompt lengths (random ids)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--repeats", type=int, default=3, help="requests per prompt length (the median is shown)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress lines at start")
+    p.set_defaults(run=cmd_bench)
+
+
 def _add_check_arguments(p: argparse.ArgumentParser):
     p.add_argument("--model", help="refuse the plan unless it was made for this model (GGUF, card or name)")
     p.add_argument("--hardware", help="refuse the plan unless it was made for this hardware profile")
@@ -166,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_generate)
     sub.add_parser("profiles", help="the bundled hardware profiles").set_defaults(run=cmd_profiles)
     sub.add_parser("models", help="the bundled model cards").set_defaults(run=cmd_models)
+    _add_engine_arguments(sub)
     return parser
 
 

@@ -117,6 +117,18 @@ class KVPages:
         return replace(self, **{name: make(a.shape, a.dtype) for name, a in zip(_ARRAYS, self.arrays())})
 
 
+    def carve(self, array_at) -> "KVPages":
+        """The same pages as views `array_at(shape, dtype)` hands out one after another (the runtime's K/V
+        region), bytes as the planner counts them: scales a type lacks are a view of its data, not carved."""
+        k_data = array_at(self.k_data.shape, self.k_data.dtype)
+        k_scales = array_at(self.k_scales.shape, self.k_scales.dtype) if self.kv.k_type in QUANTIZED else \
+            k_data.reshape(-1)[:1].view(np.float16).reshape(1, -1)[:, :1]
+        v_data = array_at(self.v_data.shape, self.v_data.dtype)
+        v_scales = array_at(self.v_scales.shape, self.v_scales.dtype) if self.kv.v_type in QUANTIZED else \
+            v_data.reshape(-1)[:1].view(np.float16).reshape(1, -1)[:, :1]
+        return replace(self, k_data=k_data, k_scales=k_scales, v_data=v_data, v_scales=v_scales)
+
+
 _ARRAYS = ("k_data", "k_scales", "v_data", "v_scales")
 
 

@@ -93,17 +93,33 @@ def dequantize(packed: PackedWeight) -> np.ndarray:
     return quants.dequantize(raw, packed.ggml_type).astype(np.float64).reshape(packed.shape)
 
 
-def read_gguf(path, header) -> dict:
-    """Every tensor of a GGUF file, packed: name -> PackedWeight (the file is memory-mapped, read once)."""
+def iter_gguf(path, header):
+    """(name, PackedWeight) for every tensor of a GGUF file, one at a time (the file is memory-mapped): a
+    model larger than host memory is never held twice."""
     file = np.memmap(path, dtype=np.uint8, mode="r")
-    packed = {}
     for tensor in header.tensors:
         start = header.data_offset + tensor.offset
         if start + tensor.n_bytes > file.size:
             raise StratumError(f"tensor {tensor.name} runs past the end of the file (a truncated download?)",
                                source=str(path))
-        packed[tensor.name] = pack(file[start:start + tensor.n_bytes], tensor.ggml_type, tuple(reversed(tensor.shape)))
-    return packed
+        yield tensor.name, pack(file[start:start + tensor.n_bytes], tensor.ggml_type, tuple(reversed(tensor.shape)))
+
+
+def read_gguf(path, header) -> dict:
+    """Every tensor of a GGUF file, packed: name -> PackedWeight."""
+    return dict(iter_gguf(path, header))
+
+
+def packed_layout(ggml_type, shape: tuple) -> tuple:
+    """((data shape, data dtype), scales shape or None) of a packed weight of numpy `shape` (module doc)."""
+    ggml_type, shape = T(ggml_type), tuple(int(d) for d in shape)
+    check_kernel_type(ggml_type, shape)
+    if ggml_type in _FLOAT_DTYPES:
+        return (shape, np.dtype(_FLOAT_DTYPES[ggml_type])), None
+    scales = (*shape[:-1], shape[-1] // QUANT_BLOCK)
+    if ggml_type == T.Q8_0:
+        return (shape, np.dtype(np.int8)), scales
+    return ((*shape[:-1], shape[-1] // 2), np.dtype(np.uint8)), scales
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,65 @@
+"""`stratum run` and `stratum bench`: the engine from the command line. planner.cli defines their arguments
+and imports this module only when one of them runs, so planning never imports numba."""
+
+import sys
+
+import numpy as np
+
+from planner.errors import StratumError
+from planner.plan import load_plan
+from runtime.engine import Engine
+
+
+def parse_ids(text: str) -> list:
+    try:
+        ids = [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise StratumError(f"--prompt-ids takes token ids separated by commas or spaces, not {text!r}") from None
+    if not ids:
+        raise StratumError("--prompt-ids is empty")
+    return ids
+
+
+def run(args) -> None:
+    plan = load_plan(args.plan)
+    with Engine(plan, args.model, progress=not args.quiet, seed=args.seed) as engine:
+        stop = set(args.stop_ids or ())
+        for token in engine.stream(parse_ids(args.prompt_ids), args.max_new_tokens, args.temperature,
+                                   stop_ids=stop):
+            print(token, end=" ", flush=True)
+        print()
+        _print_stats(engine.stats())
+
+
+def bench(args) -> None:
+    """Random prompts of the given lengths; measured prefill and decode tok/s beside the plan's predictions."""
+    plan = load_plan(args.plan)
+    rng = np.random.default_rng(args.seed)
+    predicted_prefill = {p["prompt_tokens"]: p["tok_s"] for p in plan.predictions.get("prefill", [])}
+    predicted_decode = plan.predictions.get("decode", [])
+    with Engine(plan, args.model, progress=not args.quiet, seed=args.seed) as engine:
+        vocab = engine.hp.n_vocab
+        print(f"{'prompt':>8} {'prefill tok/s':>14} {'predicted':>10} {'decode tok/s':>13} {'predicted':>10}")
+        for tokens in args.prompt_tokens:
+            prefill, decode = [], []
+            for _ in range(args.repeats):
+                out = engine.generate(rng.integers(0, vocab, size=tokens).tolist(), args.new_tokens)
+                prefill.append(tokens / out.prefill_s)
+                if len(out.tokens) > 1:
+                    decode.append((len(out.tokens) - 1) / out.decode_s)
+            depth = min(predicted_decode, key=lambda d: abs(d["depth"] - tokens), default=None)
+            print(f"{tokens:>8} {np.median(prefill):>14.1f} {_fmt(predicted_prefill.get(tokens)):>10} "
+                  f"{np.median(decode) if decode else 0:>13.2f} {_fmt(depth and depth.get('tok_s_without_mtp')):>10}")
+        _print_stats(engine.stats())
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _print_stats(stats: dict) -> None:
+    last = stats.pop("last_request")
+    print("stats: " + ", ".join(f"{k} {v}" for k, v in stats.items()), file=sys.stderr)
+    if last:
+        print("last request: " + ", ".join(f"{k} {round(v, 4) if isinstance(v, float) else v}"
+                                           for k, v in last.items()), file=sys.stderr)

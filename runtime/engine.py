@@ -1,0 +1,340 @@
+"""The engine: a plan executed on one GPU.
+
+    with Engine(plan, "model.gguf") as engine:
+        out = engine.generate(prompt_ids, max_new_tokens=256)      # greedy by default
+        for token in engine.stream(prompt_ids, max_new_tokens=64, temperature=0.7): ...
+        print(engine.stats())
+
+Start: the plan's bytes as one device allocation (`runtime.arena`), carved into its regions: dense weights,
+the K/V ring (page p in slot p mod pages), expert slots and the host copy (`runtime.experts`), the activation
+arena, the tables. Then kernels compile (a warm-up prompt and step) and the decode step is captured as a CUDA
+graph. A request reads its prompt in chunks of the plan's size (each block's routed experts streamed through
+the prefill ring), then decodes step by step by replaying the graph.
+
+Conversations: the K/V of the last request's prompt stays in the ring; a request of the same conversation
+whose prompt starts with it reads only the rest. Only prompt positions are reused: generated tokens' K/V was
+computed by the decode family, whose sums differ in the last bits from the prefill family's, and a reused
+conversation must give bitwise the logits of a cold read.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from codegen.lower.cuda import SIMULATOR, CapturedGraph, cuda
+from codegen.lower.kv_pages import kv_arrays
+from codegen.lower.program import arena_layout, lower
+from codegen.lower.weights import iter_gguf
+from planner.architecture import tensor_layer
+from planner.errors import StratumError
+from planner.header import read_header
+from planner.kv import parse_kv_type
+from planner.layout import table_sizes
+from planner.model import inventory
+from runtime.arena import DeviceArena
+from runtime.experts import MATRICES, ExpertStore
+from runtime.progress import Progress
+
+
+@dataclass
+class Generation:
+    tokens: list                    # the new token ids
+    logits: np.ndarray | None       # (len(tokens), vocab) float32: the logits each token was chosen from
+    prompt_tokens: int
+    reused_tokens: int              # prompt positions whose K/V was reused (the conversation's prefix)
+    prefill_s: float
+    decode_s: float
+    first_token_s: float            # from the call to the first new token
+
+
+@dataclass
+class _Totals:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    requests: int = 0
+    reused_tokens: int = 0
+    last: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, plan, model_path, progress: bool = True, seed: int | None = None):
+        started = time.perf_counter()
+        self.progress = Progress(progress)
+        header = read_header(model_path)
+        self.model = inventory(header, name=str(model_path))
+        plan.check_matches(model=self.model)
+        if len(plan.devices) != 1:
+            raise StratumError(f"this plan spans {len(plan.devices)} GPUs; the runtime drives one")
+        self.plan, self.hp = plan, self.model.hparams
+        self.knobs, settings = plan.knobs, plan.settings
+        self.kv = parse_kv_type(settings["kv"])
+        self.chunk_tokens = self.knobs["chunk_tokens"]
+        self.max_tokens = self.knobs["kv_resident_tokens"]
+        self.rng = np.random.default_rng(seed)
+        self.arena = DeviceArena(plan)
+        self.compute = cuda.stream()
+        self._carve_tables(settings["context_tokens"])
+        self._carve_kv()
+        self._load_weights(model_path, header)
+        self.programs, self.decode_graph = {}, None
+        self.moe_blocks = self.experts.blocks
+        self.decode_ids = cuda.pinned_array((len(self.moe_blocks), 1, self.hp.n_expert_used), np.int32)
+        self.kv_owner = None            # (conversation, prompt tokens whose K/V the ring holds)
+        self.totals = _Totals()
+        self._warm_up()
+        self.startup_s = time.perf_counter() - started
+
+    # ---------------------------------------------------------------------------------------------------
+    # start
+
+    def _carve_tables(self, context_tokens: int) -> None:
+        page_tokens = self.knobs["page_tokens"]
+        self.full_pages = -(-context_tokens // page_tokens)
+        moe_blocks = [b for b in range(self.hp.n_trunk) if self.hp.is_moe_layer(b)]
+        carver = self.arena.carver("tables")
+        self.tables = {name: carver.array((size // 4,), np.int32)
+                       for name, size in table_sizes(self.full_pages, self.hp.n_expert, moe_blocks).items()}
+        # page p lives in slot p mod pages: a fixed table, written once
+        ring = np.arange(self.full_pages, dtype=np.int32) % self.knobs["kv_pages"]
+        self.tables["page_table"].copy_to_device(ring)
+
+    def _carve_kv(self) -> None:
+        carver = self.arena.carver("kv_ring", alignment=4)
+        hp = self.hp
+        self.kv_pages = {layer: kv_arrays(self.kv.name, self.knobs["kv_pages"], self.knobs["page_tokens"],
+                                          hp.n_head_kv, hp.head_dim_k, hp.head_dim_v).carve(carver.array)
+                         for layer in range(hp.n_trunk)}
+        self.page_tables = {layer: self.tables["page_table"] for layer in range(hp.n_trunk)}
+
+    def _expert_shapes(self, header) -> dict:
+        shapes = {}
+        for t in header.tensors:
+            if self.model.tensor_class[t.name] != "expert":
+                continue
+            matrix = t.name.split(".")[2]
+            shape = (t.ggml_type, tuple(reversed(t.shape)))
+            if shapes.setdefault(matrix, shape) != shape:
+                raise StratumError(f"{t.name} is {t.ggml_type.name} {shape[1]} but block experts before it are "
+                                   f"{shapes[matrix][0].name} {shapes[matrix][1]}: the runtime needs every "
+                                   "block's routed experts of one type and shape")
+        if set(shapes) != set(MATRICES):
+            raise StratumError(f"routed experts {sorted(shapes)}; the runtime reads {list(MATRICES)}")
+        return shapes
+
+    def _load_weights(self, model_path, header) -> None:
+        moe_blocks = [b for b in range(self.hp.n_trunk) if self.hp.is_moe_layer(b)]
+        self.experts = ExpertStore(self.arena, self.tables, moe_blocks, self._expert_shapes(header),
+                                   self.knobs["expert_cache_slots"][0], self.knobs["prefill_ring_slots"])
+        dense = self.arena.carver("dense")
+        self.weights = {}
+        total = sum(t.n_bytes for t in header.tensors if self.model.tensor_class[t.name] in ("dense", "expert"))
+        self.progress.start("loading weights" + (" (host copy of the experts pinned)" if self.experts.needs_host
+                                                 else ""), total, "B")
+        for name, packed in iter_gguf(model_path, header):
+            kind = self.model.tensor_class[name]
+            if kind == "dense":
+                self.weights[name] = dense.weight(packed)
+            elif kind == "expert":
+                self.experts.load(tensor_layer(name), name.split(".")[2], packed)
+            else:
+                continue        # the drafter's tensors: speculative decoding is not run yet
+            self.progress.advance(packed.nbytes)
+        for block in moe_blocks:
+            for matrix in MATRICES:
+                self.weights[f"blk.{block}.{matrix}.weight"] = self.experts.slots[matrix]
+        self.experts.write_decode_tables()
+        cuda.synchronize()
+        self.progress.finish()
+
+    def _warm_up(self) -> None:
+        """Compile every kernel and capture the decode step (a GPU compiles in seconds; the simulator has
+        nothing to compile or capture, so it skips the two extra passes)."""
+        if SIMULATOR:
+            return
+        self.progress.start("compiling kernels and capturing the decode step", 2)
+        self._prefill([0], 0)
+        self.progress.advance()
+        self._decode_step(0, 0)
+        self.progress.advance()
+        self.kv_owner = None
+        self.progress.finish()
+
+    # ---------------------------------------------------------------------------------------------------
+    # passes
+
+    def _program(self, kind: str, tokens: int):
+        key = (kind, tokens)
+        if key not in self.programs:
+            graph, arena_bytes, offsets = arena_layout(self.model, kind, tokens, self.kv)
+            region = self.arena.regions["arena"]
+            if arena_bytes > region.bytes:
+                raise StratumError(f"a {kind} pass of {tokens} tokens needs {arena_bytes} arena bytes; the plan "
+                                   f"gives {region.bytes}: the plan was made for another chunk size")
+            arena = self.arena.memory[region.offset:region.offset + arena_bytes]
+            tables = self.experts.prefill_tables if kind == "prefill" else self.experts.decode_tables
+            host = {block: self.experts.host_weights(block) for block in self.experts.blocks}
+            self.programs[key] = lower(graph, self.hp, self.weights, self.kv_pages, self.page_tables, arena,
+                                       offsets, expert_slots=tables, host_experts=host)
+        return self.programs[key]
+
+    def _inputs(self, program, token_ids, start: int) -> None:
+        program.tensors["token_ids"].copy_to_device(np.asarray(token_ids, np.int32), stream=self.compute)
+        positions = np.arange(start, start + len(token_ids), dtype=np.int32)
+        program.tensors["positions"].copy_to_device(positions, stream=self.compute)
+
+    def _prefill(self, token_ids, start: int) -> np.ndarray:
+        """Read positions start.. in chunks of the plan's size; the last position's logits."""
+        for begin in range(0, len(token_ids), self.chunk_tokens):
+            piece = token_ids[begin:begin + self.chunk_tokens]
+            program = self._program("prefill", len(piece))
+            self._inputs(program, piece, start + begin)
+            self._run_prefill(program)
+        logits = program.tensors["logits"].copy_to_host(stream=self.compute)
+        self.compute.synchronize()
+        return logits[-1]
+
+    def _run_prefill(self, program) -> None:
+        steps = {step.name: step for step in program.steps}
+        for step in program.steps:
+            op = program.graph.nodes[step.name]["op"]
+            if op == "moe_down_matmul":
+                continue        # run with its gate/up, batch by batch
+            if op != "moe_swiglu_matmul":
+                step.run(self.compute)
+                continue
+            block = tensor_layer(step.name)
+            down = steps[f"blk.{block}.moe_down"]
+            ids = program.tensors[f"blk.{block}.topk"].copy_to_host(stream=self.compute)
+            self.compute.synchronize()
+
+            def run_batch(lo, hi, step=step, down=down):
+                step.launch(self.compute, *step.args, lo=lo, hi=hi)
+                down.launch(self.compute, *down.args, lo=lo, hi=hi)
+            self.experts.stream_block(block, ids, self.compute, run_batch)
+
+    def _enqueue_decode(self, stream) -> None:
+        program = self._program("decode", 1)
+        for step in program.steps:
+            step.run(stream)
+            if program.graph.nodes[step.name]["op"] == "topk":
+                index = self.moe_blocks.index(tensor_layer(step.name))
+                program.tensors[step.name].copy_to_host(self.decode_ids[index], stream=stream)
+
+    def _decode_step(self, token: int, position: int) -> tuple:
+        """One decode step: (greedy token, logits device array)."""
+        program = self._program("decode", 1)
+        self._inputs(program, [token], position)
+        if self.decode_graph is None:
+            self._enqueue_decode(self.compute)       # compiles every kernel before the capture
+            self.compute.synchronize()
+            self.decode_graph = CapturedGraph(self._enqueue_decode, self.compute)
+        else:
+            self.decode_graph.replay(self.compute)
+        greedy = program.tensors["argmax"].copy_to_host(stream=self.compute)
+        self.compute.synchronize()
+        for index, block in enumerate(self.moe_blocks):
+            self.experts.record_decode(block, self.decode_ids[index])
+        self.experts.after_decode_step(self.compute)
+        return int(greedy[0]), program.tensors["logits"]
+
+    # ---------------------------------------------------------------------------------------------------
+    # requests
+
+    def stream(self, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, conversation=None,
+               stop_ids=(), logits: list | None = None):
+        """Yield new token ids one by one. `logits`, when a list, receives each token's logits (float32)."""
+        prompt = [int(t) for t in prompt_ids]
+        self._check_request(prompt, max_new_tokens, temperature)
+        owner, self.kv_owner = self.kv_owner, None      # a request stopped part-way leaves no reusable K/V
+        reused = 0
+        if conversation is not None and owner is not None and owner[0] == conversation:
+            prefix = owner[1]
+            if prompt[:len(prefix)] == list(prefix):
+                reused = min(len(prefix), len(prompt) - 1)
+        called = time.perf_counter()
+        row = self._prefill(prompt[reused:], reused)
+        if conversation is not None:
+            self.kv_owner = (conversation, tuple(prompt))
+        prefill_s = time.perf_counter() - called
+        self.totals.prefill_tokens += len(prompt) - reused
+        self.totals.prefill_s += prefill_s
+        self.totals.reused_tokens += reused
+        self.totals.requests += 1
+        self.totals.last = {"prompt_tokens": len(prompt), "reused_tokens": reused, "prefill_s": prefill_s}
+        position, decode_started = len(prompt), time.perf_counter()
+        for produced in range(max_new_tokens):
+            token = self._choose(row, temperature)
+            if logits is not None:
+                logits.append(np.asarray(row, np.float32))
+            if produced == 0:
+                self.totals.last["first_token_s"] = time.perf_counter() - called
+            yield token
+            if token in stop_ids or produced + 1 == max_new_tokens:
+                break
+            greedy, device_logits = self._decode_step(token, position)
+            position += 1
+            row = device_logits.copy_to_host()[0] if temperature > 0 or logits is not None else greedy
+            self.totals.decode_tokens += 1
+        self.totals.decode_s += time.perf_counter() - decode_started
+        self.totals.last["decode_s"] = time.perf_counter() - decode_started
+
+    def generate(self, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, conversation=None,
+                 stop_ids=(), return_logits: bool = False) -> Generation:
+        rows = [] if return_logits else None
+        tokens = list(self.stream(prompt_ids, max_new_tokens, temperature, conversation, stop_ids, rows))
+        last = self.totals.last
+        return Generation(tokens, np.stack(rows) if rows else None, last["prompt_tokens"], last["reused_tokens"],
+                          last["prefill_s"], last.get("decode_s", 0.0), last.get("first_token_s", 0.0))
+
+    def _check_request(self, prompt: list, max_new_tokens: int, temperature: float) -> None:
+        if not prompt:
+            raise StratumError("the prompt is empty: a request needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.hp.n_vocab]
+        if bad:
+            raise StratumError(f"token id {bad[0]} is outside the vocabulary (0..{self.hp.n_vocab - 1})")
+        if max_new_tokens < 1 or temperature < 0:
+            raise StratumError("max_new_tokens must be >= 1 and temperature >= 0")
+        if len(prompt) + max_new_tokens > self.max_tokens:
+            raise StratumError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the {self.max_tokens} "
+                               "positions this plan keeps in VRAM (kv_resident_tokens); streaming older K/V pages "
+                               "back is not built yet: plan with a larger K/V ring or ask for fewer tokens")
+
+    def _choose(self, row, temperature: float) -> int:
+        """Greedy: the device's argmax (an int) or the row's; else a sample at `temperature`."""
+        if isinstance(row, int):
+            return row
+        if temperature == 0:
+            return int(np.argmax(row))
+        scaled = np.asarray(row, np.float64) / temperature
+        probs = np.exp(scaled - scaled.max())
+        return int(self.rng.choice(len(probs), p=probs / probs.sum()))
+
+    # ---------------------------------------------------------------------------------------------------
+    # reporting and lifetime
+
+    def stats(self) -> dict:
+        t, e = self.totals, self.experts.stats
+        return {"startup_s": round(self.startup_s, 3), "requests": t.requests,
+                "prefill_tokens": t.prefill_tokens, "prefill_tok_s": _rate(t.prefill_tokens, t.prefill_s),
+                "decode_tokens": t.decode_tokens, "decode_tok_s": _rate(t.decode_tokens, t.decode_s),
+                "reused_tokens": t.reused_tokens, "expert_cache_hit_rate": round(e.hit_rate, 4),
+                "expert_bytes_copied": e.streamed_bytes, "experts_refreshed": e.refreshed_experts,
+                "device_bytes": self.arena.nbytes, "last_request": dict(t.last)}
+
+    def close(self) -> None:
+        if self.decode_graph is not None:
+            self.decode_graph.close()
+            self.decode_graph = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return round(tokens / seconds, 2) if seconds > 0 else 0.0

@@ -1,0 +1,215 @@
+"""Routed experts on the device: decode's expert cache, the prefill ring, and the host copy.
+
+VRAM slots: the plan's `expert_cache` and `prefill_ring` regions are adjacent, so their bytes hold one slot
+array per expert matrix, (slots, rows, cols) in the packed layout: cache slots first (split evenly over the MoE
+blocks), ring slots after. A block's expert-slot table (in the plan's `tables` region) maps an expert to its
+slot, or to -1: the kernel then reads the host copy, mapped pinned memory, in place (zero-copy, no host sync).
+
+Prefill: per block, the experts the chunk routes to that are not cached stream through the ring in batches of
+half the ring, in ascending expert id, so a batch's copies (on the copy stream) overlap the previous batch's
+compute. A batch computes every expert in an id range [lo, hi), and the kernels add a token's expert terms in
+ascending id: logits never depend on the ring's size or the cache's (DESIGN.md invariant 2).
+
+Decode: the cache starts with each block's lowest ids and is refreshed every `REFRESH_STEPS` steps to the
+experts routed most often so far (the plan's `frequency` policy); refreshes are ordered on the compute stream
+between steps, so a replayed step never reads a slot while it is rewritten.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from codegen.lower.cuda import cuda
+from codegen.lower.weights import DeviceWeight, packed_layout
+from planner.errors import StratumError
+
+MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+REFRESH_STEPS = 16
+SLOT_ALIGNMENT_BYTES = 16
+
+
+@dataclass
+class ExpertStats:
+    decode_reads: int = 0           # (block, expert) reads by decode steps
+    decode_hits: int = 0            # ... of them from a VRAM slot
+    streamed_bytes: int = 0         # copied host -> ring by prefill
+    refreshed_experts: int = 0      # loaded into the cache by refreshes
+    per_block_counts: dict = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.decode_hits / self.decode_reads if self.decode_reads else 1.0
+
+
+class ExpertStore:
+    def __init__(self, arena, tables: dict, moe_blocks: list, shapes: dict, cache_slots: int, ring_slots: int):
+        """shapes: matrix -> (ggml type, (n_expert, rows, cols)), the same in every block (checked by the
+        caller); tables: name -> int32 device table (`planner.layout.table_sizes`)."""
+        self.blocks = list(moe_blocks)
+        self.shapes = shapes
+        self.n_expert = shapes[MATRICES[0]][1][0]
+        per_block, extra = divmod(cache_slots, max(1, len(self.blocks)))
+        counts = [min(self.n_expert, per_block + (i < extra)) for i in range(len(self.blocks))]
+        self.n_cache = sum(counts)
+        self.n_ring = ring_slots
+        regions = [name for name in ("expert_cache", "prefill_ring") if arena.has(name)]
+        carver = arena.carver(*regions, alignment=SLOT_ALIGNMENT_BYTES)
+        n_slots = self.n_cache + self.n_ring
+        self.slots = {m: carver.empty_weight(t, (n_slots, *shape[1:])) for m, (t, shape) in shapes.items()}
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        # block -> {expert: slot}: the cache starts with each block's lowest ids
+        self.resident = {b: {e: int(starts[i]) + e for e in range(counts[i])} for i, b in enumerate(self.blocks)}
+        self.needs_host = any(c < self.n_expert for c in counts)
+        self.host = {}
+        self.decode_tables = {b: tables[f"blk.{b}.decode_slots"] for b in self.blocks}
+        self.prefill_tables = {b: tables[f"blk.{b}.prefill_slots"] for b in self.blocks}
+        self.counts = {b: np.zeros(self.n_expert, np.int64) for b in self.blocks}
+        self.stats = ExpertStats()
+        self.copy_stream = cuda.stream()
+        self.ring_free = [None, None]       # events: the compute stream is done with ring half 0 / 1
+        self.steps_since_refresh = 0
+
+    # ---------------------------------------------------------------------------------------------------
+    # start
+
+    def load(self, block: int, matrix: str, packed) -> None:
+        """A block's experts of one matrix from the GGUF: the cached ones into their slots, all of them into
+        the host copy (mapped pinned memory, taken now, not on the first request) when any can miss."""
+        for expert, slot in self.resident[block].items():
+            self._slot(matrix, slot, 1).data.copy_to_device(packed.data[expert:expert + 1])
+            if packed.scales is not None:
+                self._slot(matrix, slot, 1).scales.copy_to_device(packed.scales[expert:expert + 1])
+        if self.needs_host:
+            (data_shape, dtype), scales_shape = packed_layout(packed.ggml_type, packed.shape)
+            data = cuda.mapped_array(data_shape, dtype)
+            data[...] = packed.data
+            if scales_shape:
+                scales = cuda.mapped_array(scales_shape, np.float16)
+                scales[...] = packed.scales
+            else:
+                scales = data.reshape(-1)[:1].view(np.float16)
+            self.host.setdefault(block, {})[matrix] = DeviceWeight(packed.ggml_type, packed.shape, data, scales)
+
+    def write_decode_tables(self, stream=0) -> None:
+        for block in self.blocks:
+            self.decode_tables[block].copy_to_device(self.decode_table(block), stream=stream)
+
+    def decode_table(self, block: int) -> np.ndarray:
+        table = np.full(self.n_expert, -1, np.int32)
+        for expert, slot in self.resident[block].items():
+            table[expert] = slot
+        return table
+
+    def host_weights(self, block: int) -> tuple:
+        """(gate, up, down) the kernels read for slot -1: the host copy, or the slots when nothing misses."""
+        source = self.host.get(block, self.slots)
+        return tuple(source[m] for m in MATRICES)
+
+    def _slot(self, matrix: str, first: int, count: int) -> DeviceWeight:
+        w = self.slots[matrix]
+        scales = w.scales[first:first + count] if w.scales.ndim > 1 else w.scales
+        return DeviceWeight(w.ggml_type, (count, *w.shape[1:]), w.data[first:first + count], scales)
+
+    # ---------------------------------------------------------------------------------------------------
+    # prefill
+
+    def prefill_batches(self, block: int, needed) -> tuple:
+        """(expert-slot table, [(lo, hi, ring base slot, streamed experts)]) for the experts a chunk needs."""
+        resident = self.resident[block]
+        streamed = [int(e) for e in needed if int(e) not in resident]
+        if streamed and self.n_ring == 0:
+            raise StratumError("the plan has no prefill-ring slots but not every expert is cached")
+        half = max(1, self.n_ring // 2)
+        groups = [streamed[i:i + half] for i in range(0, len(streamed), half)] or [[]]
+        table = self.decode_table(block)
+        batches = []
+        for j, group in enumerate(groups):
+            base = self.n_cache + (j % 2) * half
+            for i, expert in enumerate(group):
+                table[expert] = base + i
+            lo = 0 if j == 0 else group[0]
+            hi = groups[j + 1][0] if j + 1 < len(groups) else self.n_expert
+            batches.append((lo, hi, base, group))
+        return table, batches
+
+    def stream_block(self, block: int, ids: np.ndarray, compute, run_batch) -> None:
+        """Compute a chunk's routed experts of one block: run_batch(lo, hi) for each batch, its experts
+        copied into the ring first (on the copy stream, waiting until compute is done with that half)."""
+        table, batches = self.prefill_batches(block, np.unique(ids))
+        self.prefill_tables[block].copy_to_device(table, stream=compute)
+        for j, (lo, hi, base, group) in enumerate(batches):
+            if group:
+                free = self.ring_free[j % 2]
+                if free is not None:
+                    free.wait(self.copy_stream)
+                for first, count in _runs(group):
+                    slot = base + group.index(first)
+                    for matrix in MATRICES:
+                        self._copy_in(self.host[block][matrix], first, count, matrix, slot, self.copy_stream)
+                copied = cuda.event()
+                copied.record(self.copy_stream)
+                copied.wait(compute)
+            run_batch(lo, hi)
+            done = cuda.event()
+            done.record(compute)
+            self.ring_free[j % 2] = done
+
+    def _copy_in(self, host: DeviceWeight, first: int, count: int, matrix: str, slot: int, stream) -> None:
+        into = self._slot(matrix, slot, count)
+        into.data.copy_to_device(host.data[first:first + count], stream=stream)
+        self.stats.streamed_bytes += into.data.nbytes
+        if into.scales.ndim > 1:
+            into.scales.copy_to_device(host.scales[first:first + count], stream=stream)
+            self.stats.streamed_bytes += into.scales.nbytes
+
+    # ---------------------------------------------------------------------------------------------------
+    # decode
+
+    def record_decode(self, block: int, ids: np.ndarray) -> None:
+        """Count a decode step's routed experts of one block (the frequency policy's input) and its hits."""
+        np.add.at(self.counts[block], ids.ravel(), 1)
+        resident = self.resident[block]
+        self.stats.decode_reads += ids.size
+        self.stats.decode_hits += sum(int(e) in resident for e in ids.ravel())
+
+    def after_decode_step(self, compute) -> None:
+        self.steps_since_refresh += 1
+        if self.needs_host and self.steps_since_refresh >= REFRESH_STEPS:
+            self.refresh(compute)
+            self.steps_since_refresh = 0
+
+    def refresh(self, compute) -> None:
+        """Swap cached experts for more often routed ones (an incoming expert must have been routed more
+        often than the one it replaces). Ordered on the compute stream: first the swapped experts' table
+        entries point at the host copy, then the copies, then the entries point at the new slots."""
+        for block in self.blocks:
+            resident, counts = self.resident[block], self.counts[block]
+            order = sorted(range(self.n_expert), key=lambda e: (-counts[e], e))
+            wanted = order[:len(resident)]
+            incoming = [e for e in wanted if e not in resident]
+            outgoing = sorted((e for e in resident if e not in set(wanted)), key=lambda e: (counts[e], e))
+            swaps = [(i, o) for i, o in zip(incoming, outgoing) if counts[i] > counts[o]]
+            if not swaps:
+                continue
+            table = self.decode_table(block)
+            for _incoming, out in swaps:
+                table[out] = -1
+            self.decode_tables[block].copy_to_device(table, stream=compute)
+            for expert, out in swaps:
+                slot = resident.pop(out)
+                for matrix in MATRICES:
+                    self._copy_in(self.host[block][matrix], expert, 1, matrix, slot, compute)
+                resident[expert] = slot
+            self.decode_tables[block].copy_to_device(self.decode_table(block), stream=compute)
+            self.stats.refreshed_experts += len(swaps)
+
+
+def _runs(experts: list) -> list:
+    """(first, count) for each run of consecutive ids in an ascending list."""
+    runs = []
+    for e in experts:
+        if runs and runs[-1][0] + runs[-1][1] == e:
+            runs[-1][1] += 1
+        else:
+            runs.append([e, 1])
+    return [tuple(r) for r in runs]
