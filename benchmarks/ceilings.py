@@ -4,6 +4,7 @@
 
   read_bandwidth_bytes_per_s(): a grid-stride kernel summing 4 GiB of device memory with 16-byte-per-thread
       unrolled 32-bit loads (DEVICE.md measured 3.68 TB/s on the H200 this way);
+  pinned_copy_bytes_per_s(), zero_copy_read_bytes_per_s(): the host links, copied and read in place;
   fp32_peak_flops(): kernels of independent FMA chains in registers (2 FLOPs per FMA), the best shape;
   fp32_datasheet_flops(): SMs x 128 lanes x 2 x clock, what the datasheet's 67 TFLOP/s means.
 """
@@ -75,6 +76,23 @@ def read_bandwidth_bytes_per_s() -> float:
     return READ_BYTES / seconds
 
 
+def pinned_copy_bytes_per_s(nbytes: int = 1 << 30) -> float:
+    """Host-to-device copy bandwidth from page-locked memory (what streams experts through the ring)."""
+    host = cuda.pinned_array(nbytes, np.uint8)
+    host[:] = 1
+    device = cuda.device_array(nbytes, np.uint8)
+    return nbytes / time_s(lambda: device.copy_to_device(host), repeats=5, warmup=1)
+
+
+def zero_copy_read_bytes_per_s(nbytes: int = 1 << 30) -> float:
+    """A kernel reading mapped pinned host memory in place (what a decode-step expert-cache miss costs)."""
+    words = cuda.mapped_array(nbytes // 4, np.int32)
+    words[:] = 0
+    out = cuda.device_array(1, np.int32)
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    return nbytes / time_s(lambda: _read_kernel[sms * 8, 512](words, out), repeats=5, warmup=1)
+
+
 def fp32_peak_flops() -> float:
     """The best of a few shapes (chains per thread x threads per block): the highest FMA rate this GPU gives
     numba-compiled code."""
@@ -97,6 +115,8 @@ def fp32_datasheet_flops() -> float:
 
 def main():
     print(f"device read bandwidth: {read_bandwidth_bytes_per_s() / 1e12:.2f} TB/s")
+    print(f"pinned host -> device: {pinned_copy_bytes_per_s() / 1e9:.1f} GB/s; zero-copy read "
+          f"{zero_copy_read_bytes_per_s() / 1e9:.1f} GB/s")
     print(f"FP32 peak (FMA):       {fp32_peak_flops() / 1e12:.1f} TFLOP/s measured, "
           f"{fp32_datasheet_flops() / 1e12:.1f} TFLOP/s datasheet (SMs x 128 x 2 x max SM clock)")
 

@@ -31,7 +31,7 @@ from planner.errors import StratumError
 from planner.header import read_header
 from planner.kv import parse_kv_type
 from planner.layout import table_sizes
-from planner.model import inventory
+from planner.model import load_model
 from runtime.arena import DeviceArena
 from runtime.experts import MATRICES, ExpertStore
 from runtime.progress import Progress
@@ -60,11 +60,16 @@ class _Totals:
 
 
 class Engine:
-    def __init__(self, plan, model_path, progress: bool = True, seed: int | None = None):
+    def __init__(self, plan, model, progress: bool = True, seed: int | None = None, tensors=None):
+        """model: the GGUF file the plan was made for (or a model card, with `tensors`); tensors: (name,
+        PackedWeight) pairs to load instead of the file's data (benchmarks build weights in memory)."""
         started = time.perf_counter()
         self.progress = Progress(progress)
-        header = read_header(model_path)
-        self.model = inventory(header, name=str(model_path))
+        self.model = load_model(model)
+        if tensors is None:
+            if str(self.model.source).lower().endswith((".yaml", ".yml")):
+                raise StratumError(f"{self.model.name} is a model card: it has no weights to run (pass tensors=)")
+            tensors = iter_gguf(self.model.source, read_header(self.model.source))
         plan.check_matches(model=self.model)
         if len(plan.devices) != 1:
             raise StratumError(f"this plan spans {len(plan.devices)} GPUs; the runtime drives one")
@@ -78,7 +83,7 @@ class Engine:
         self.compute = cuda.stream()
         self._carve_tables(settings["context_tokens"])
         self._carve_kv()
-        self._load_weights(model_path, header)
+        self._load_weights(tensors)
         self.programs, self.decode_graph = {}, None
         self.moe_blocks = self.experts.blocks
         self.decode_ids = cuda.pinned_array((len(self.moe_blocks), 1, self.hp.n_expert_used), np.int32)
@@ -109,9 +114,9 @@ class Engine:
                          for layer in range(hp.n_trunk)}
         self.page_tables = {layer: self.tables["page_table"] for layer in range(hp.n_trunk)}
 
-    def _expert_shapes(self, header) -> dict:
+    def _expert_shapes(self) -> dict:
         shapes = {}
-        for t in header.tensors:
+        for t in self.model.tensors:
             if self.model.tensor_class[t.name] != "expert":
                 continue
             matrix = t.name.split(".")[2]
@@ -124,16 +129,16 @@ class Engine:
             raise StratumError(f"routed experts {sorted(shapes)}; the runtime reads {list(MATRICES)}")
         return shapes
 
-    def _load_weights(self, model_path, header) -> None:
+    def _load_weights(self, tensors) -> None:
         moe_blocks = [b for b in range(self.hp.n_trunk) if self.hp.is_moe_layer(b)]
-        self.experts = ExpertStore(self.arena, self.tables, moe_blocks, self._expert_shapes(header),
+        self.experts = ExpertStore(self.arena, self.tables, moe_blocks, self._expert_shapes(),
                                    self.knobs["expert_cache_slots"][0], self.knobs["prefill_ring_slots"])
         dense = self.arena.carver("dense")
         self.weights = {}
-        total = sum(t.n_bytes for t in header.tensors if self.model.tensor_class[t.name] in ("dense", "expert"))
+        total = sum(t.n_bytes for t in self.model.tensors if self.model.tensor_class[t.name] in ("dense", "expert"))
         self.progress.start("loading weights" + (" (host copy of the experts pinned)" if self.experts.needs_host
                                                  else ""), total, "B")
-        for name, packed in iter_gguf(model_path, header):
+        for name, packed in tensors:
             kind = self.model.tensor_class[name]
             if kind == "dense":
                 self.weights[name] = dense.weight(packed)

@@ -1,0 +1,158 @@
+"""End to end on the H200: the engine running a Qwen3-30B-A3B-shaped model at Q8_0 (random weights with
+skewed routing, built in memory by `runtime.synthetic.realistic_weights`), under three plans:
+
+  h200-141g           every expert resident: decode against the roofline (active bytes per token / measured
+                      read bandwidth), and the Python overhead per step (wall time beside the replayed graph's);
+  rtx-5070-ti-16g     emulated: the card's plan, but with the H200's measured links, run on the H200 (the
+  rtx-2060-super-8g   engine allocates only the plan's bytes): prefill against the streaming floor (the expert
+                      bytes it copied / measured pinned bandwidth), decode against the floor its measured
+                      expert-cache hit rate implies (hits at read bandwidth, misses read in place over the link).
+
+Beside each figure, the planner's prediction and its error. Commands (prefix from DEVICE.md):
+
+    NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/e2e.py --layers 12 [--plans h200-141g rtx-5070-ti-16g ...]
+
+`--layers` keeps the card's shape but fewer blocks (every figure is per token and per block alike; the
+weights take less time to build).
+"""
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from benchmarks.ceilings import pinned_copy_bytes_per_s, read_bandwidth_bytes_per_s, time_s, zero_copy_read_bytes_per_s
+from codegen.lower.cuda import cuda, device_name
+from planner.model import load_model
+from plans import HARDWARE_DIR, MODELS_DIR
+from planner.search import solve
+from runtime.engine import Engine
+from runtime.synthetic import realistic_weights
+
+CARD = "qwen3-30b-a3b-q8_0"
+LINK_FIELDS = ("host_to_device", "device_to_host", "zero_copy_read", "copy_latency", "graph_node_overhead")
+CONTEXT = 4096
+
+
+def reduced_card(layers: int, folder: Path) -> Path:
+    card = yaml.safe_load((MODELS_DIR / f"{CARD}.yaml").read_text())
+    card["name"] = f"{CARD}-{layers}-blocks"
+    card["metadata"]["block_count"] = layers
+    path = folder / f"{card['name']}.yaml"
+    path.write_text(yaml.safe_dump(card))
+    return path
+
+
+def emulated_profile(name: str, measured: dict, folder: Path) -> Path:
+    """The card's profile with the H200's links as measured in this run (so its plan is priced as it runs)."""
+    profile = yaml.safe_load((HARDWARE_DIR / f"{name}.yaml").read_text())
+    for gpu in profile["gpus"]:
+        gpu.update(measured)
+    profile["name"] = f"{name}-on-h200-links"
+    path = folder / f"{profile['name']}.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return path
+
+
+def active_bytes(model) -> tuple:
+    """(dense bytes a decode step reads, routed-expert bytes it reads): every dense matrix but the embedding
+    table (one row), and k experts of every MoE block."""
+    dense = sum(t.n_bytes for t in model.tensors
+                if model.tensor_class[t.name] == "dense" and not t.name.startswith("token_embd"))
+    blob = model.largest_expert_blob_bytes
+    n_moe = sum(model.hparams.is_moe_layer(b) for b in range(model.hparams.n_trunk))
+    return dense, n_moe * model.hparams.n_expert_used * blob
+
+
+def nearest(rows: list, key: str, value: int) -> dict:
+    return min(rows, key=lambda row: abs(row[key] - value))
+
+
+def run_plan(name, profile, card, ceilings, prompt_tokens, new_tokens, rng):
+    plan = solve(profile, card, context=CONTEXT, kv="f16")
+    model = load_model(card)
+    started = time.perf_counter()
+    engine = Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0))
+    start_s = time.perf_counter() - started
+    try:
+        vocab = model.hparams.n_vocab
+        engine.generate(rng.integers(0, vocab, size=64).tolist(), 4)         # warm the host paths
+        copied = engine.experts.stats.streamed_bytes
+        out = engine.generate(rng.integers(0, vocab, size=prompt_tokens).tolist(), new_tokens)
+        stats = engine.stats()
+        streamed = stats["expert_bytes_copied"] - copied
+        step_s = out.decode_s / (len(out.tokens) - 1)
+        graph_s = time_s(lambda: engine.decode_graph.replay(engine.compute), repeats=20, warmup=2)
+    finally:
+        engine.close()
+    dense, experts = active_bytes(model)
+    hit = stats["expert_cache_hit_rate"]
+    floor_decode_s = dense / ceilings["read"] + experts * (hit / ceilings["read"] + (1 - hit) / ceilings["zero_copy"])
+    floor_prefill_s = streamed / ceilings["pinned"]
+    predicted_prefill = nearest(plan.predictions["prefill"], "prompt_tokens", prompt_tokens)["tok_s"]
+    predicted_decode = nearest(plan.predictions["decode"], "depth", prompt_tokens)["tok_s_without_mtp"]
+    prefill_tok_s, decode_tok_s = prompt_tokens / out.prefill_s, 1 / step_s
+    return {
+        "plan": name, "device GiB": plan.device_bytes(0) / 2 ** 30, "start s": start_s,
+        "cache slots": plan.knobs["expert_cache_slots"][0], "ring slots": plan.knobs["prefill_ring_slots"],
+        "chunk": plan.knobs["chunk_tokens"],
+        "prefill tok/s": prefill_tok_s, "prefill floor": floor_prefill_s / out.prefill_s if streamed else None,
+        "prefill predicted": predicted_prefill, "prefill error": predicted_prefill / prefill_tok_s - 1,
+        "decode tok/s": decode_tok_s, "of floor": floor_decode_s / step_s, "hit rate": hit,
+        "decode predicted": predicted_decode, "decode error": predicted_decode / decode_tok_s - 1,
+        "python overhead": 1 - graph_s / step_s, "first token s": out.first_token_s,
+    }
+
+
+def print_table(rows: list) -> None:
+    columns = list(rows[0])
+    print("| " + " | ".join(columns) + " |")
+    print("| " + " | ".join("---" for _ in columns) + " |")
+    for row in rows:
+        cells = []
+        for key in columns:
+            value = row[key]
+            if value is None:
+                cells.append("-")
+            elif key in ("prefill floor", "of floor", "hit rate", "prefill error", "decode error", "python overhead"):
+                cells.append(f"{value:+.0%}" if "error" in key else f"{value:.0%}")
+            elif isinstance(value, float):
+                cells.append(f"{value:.3g}" if value < 100 else f"{value:.0f}")
+            else:
+                cells.append(str(value))
+        print("| " + " | ".join(cells) + " |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--plans", nargs="+", default=["h200-141g", "rtx-5070-ti-16g", "rtx-2060-super-8g"])
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    args = parser.parse_args()
+    ceilings = {"read": read_bandwidth_bytes_per_s(), "pinned": pinned_copy_bytes_per_s(),
+                "zero_copy": zero_copy_read_bytes_per_s()}
+    print(f"{device_name()}: read {ceilings['read'] / 1e12:.2f} TB/s, pinned host->device "
+          f"{ceilings['pinned'] / 1e9:.1f} GB/s, zero-copy read {ceilings['zero_copy'] / 1e9:.1f} GB/s")
+    measured_links = {"host_to_device": f"{ceilings['pinned'] / 1e9:.1f} GB/s",
+                      "zero_copy_read": f"{ceilings['zero_copy'] / 1e9:.1f} GB/s"}
+    rng = np.random.default_rng(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        card = reduced_card(args.layers, folder)
+        for name in args.plans:
+            profile = name if name == "h200-141g" else emulated_profile(name, measured_links, folder)
+            rows.append(run_plan(name, profile, card, ceilings, args.prompt_tokens, args.new_tokens, rng))
+            cuda.current_context().deallocations.clear()
+            print_table(rows[-1:])
+    print()
+    print(f"{CARD} shape, {args.layers} blocks, prompt {args.prompt_tokens} tokens, {args.new_tokens} new, K/V f16")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
