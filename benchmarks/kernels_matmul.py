@@ -421,15 +421,28 @@ def decode_sweep(rng, bandwidth):
                                                     "chunks in flight", "us", "of read BW", ""], rows)
 
 
+def mapped_upload(packed: weights.PackedWeight) -> weights.DeviceWeight:
+    """A packed weight in mapped pinned host memory (zero-copy: kernels read it over the bus)."""
+    def mapped(array):
+        out = cuda.mapped_array(array.shape, array.dtype)
+        out[...] = array
+        return out
+    scales = packed.scales if packed.scales is not None else np.zeros(1, np.float16)
+    return weights.DeviceWeight(packed.ggml_type, packed.shape, mapped(packed.data), mapped(scales))
+
+
 def moe_decode_step(rng, bandwidth, sweep=False):
     """One decode step of a Qwen3-30B-A3B MoE layer (Q8_0): groups, gate/up, down; expert ids on the device,
-    each captured step using 8 other experts (16 steps cycle through all 128: nothing stays in L2).
+    each captured step using 8 other experts (16 steps cycle through all 128: nothing stays in L2). Experts
+    read from VRAM slots, then (slot_of -1) from the mapped host copy.
     `sweep`: also time gate/up and down over their free shape parameters."""
     e_dim, f_dim, n_expert, k = (QWEN3_30B[key] for key in ("n_embd", "n_ff", "n_expert", "k"))
     gate, up = (random_packed(rng, T.Q8_0, (n_expert, f_dim, e_dim)) for _ in range(2))
     down = random_packed(rng, T.Q8_0, (n_expert, e_dim, f_dim))
     dg, du, dd = (weights.upload(p) for p in (gate, up, down))
+    hg, hu, hd = (mapped_upload(p) for p in (gate, up, down))
     slot_of = cuda.to_device(np.arange(n_expert, dtype=np.int32))
+    from_host = cuda.to_device(np.full(n_expert, -1, np.int32))
     steps = n_expert // k
     order = rng.permutation(n_expert).astype(np.int32)
     ids = [cuda.to_device(order[s * k:(s + 1) * k].reshape(1, k)) for s in range(steps)]
@@ -443,8 +456,12 @@ def moe_decode_step(rng, bandwidth, sweep=False):
     down_proj = moe.make_moe_down_matmul("decode", T.Q8_0, f_dim, e_dim, n_expert, k)
     parts = {
         "groups": lambda s, i: make_groups(s, ids[i], groups[i]),
-        "gate/up": lambda s, i: gate_up(s, x, groups[i], slot_of, dg, du, act),
-        "down": lambda s, i: down_proj(s, act, groups[i], route_w, slot_of, dd, out),
+        "gate/up": lambda s, i: gate_up(s, x, groups[i], slot_of, dg, du, hg, hu, act),
+        "down": lambda s, i: down_proj(s, act, groups[i], route_w, slot_of, dd, hd, out),
+    }
+    host_parts = {
+        "gate/up, experts in host memory": lambda s, i: gate_up(s, x, groups[i], from_host, dg, du, hg, hu, act),
+        "down, experts in host memory": lambda s, i: down_proj(s, act, groups[i], route_w, from_host, dd, hd, out),
     }
     for i in range(steps):
         make_groups(0, ids[i], groups[i])
@@ -452,17 +469,24 @@ def moe_decode_step(rng, bandwidth, sweep=False):
     nbytes = k * per_expert + 4 * (e_dim * 2 + k * f_dim * 2)
     step = graph_seconds(lambda s, i: [part(s, i) for part in parts.values()], steps)
     rows = [(name, f"{graph_seconds(part, steps) * 1e6:.1f}") for name, part in parts.items()]
+    host_rows = [(name, f"{graph_seconds(part, steps) * 1e6:.1f}") for name, part in host_parts.items()]
     for part in parts.values():
         part(0, 0)
     chosen = order[:k]
     deq = [weights.dequantize(weights.PackedWeight(T.Q8_0, (k, *p.shape[1:]), p.data[chosen], p.scales[chosen]))
            for p in (gate, up, down)]
     ref = reference.moe(x.copy_to_host(), np.arange(k)[None], route_w.copy_to_host(), *deq)
-    err = rel_err(out.copy_to_host(), ref)
+    from_slots = out.copy_to_host()
+    err = rel_err(from_slots, ref)
+    for part in host_parts.values():
+        part(0, 0)
+    same = np.array_equal(out.copy_to_host(), from_slots)
     rows.append(("step (graph of the three)", f"{step * 1e6:.1f}"))
+    rows += host_rows
     table(f"MoE decode step, Qwen3-30B-A3B layer shape (n_embd {e_dim}, n_ff_exp {f_dim}, {n_expert} experts, "
           f"{k} used, Q8_0): {nbytes / 1e6:.1f} MB of expert weights read; {nbytes / step / 1e9:.0f} GB/s = "
-          f"{nbytes / step / bandwidth:.0%} of read BW; rel err {err:.1e}", ["kernel", "us"], rows)
+          f"{nbytes / step / bandwidth:.0%} of read BW; rel err {err:.1e}; host reads give the slots' bits: "
+          f"{same}", ["kernel", "us"], rows)
     if not sweep:
         return
     rows = []
@@ -473,12 +497,13 @@ def moe_decode_step(rng, bandwidth, sweep=False):
             if nr <= 4:
                 kernel = moe.decode_swiglu(T.Q8_0, e_dim, f_dim, n_expert, k, shape)
                 seconds = graph_seconds(lambda s, i: kernel(s, x, groups[i], slot_of, *matmul.words(dg),
+                                                            *matmul.words(du), *matmul.words(dg),
                                                             *matmul.words(du), act), steps)
                 rows.append(("gate/up", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == swiglu_base else ""))
             shape = down_base._replace(tg=tg, groups=256 // tg, nr=nr)
             kernel = moe.decode_down(T.Q8_0, f_dim, e_dim, n_expert, k, shape)
             seconds = graph_seconds(lambda s, i: kernel(s, act, groups[i], route_w, slot_of, *matmul.words(dd),
-                                                        out), steps)
+                                                        *matmul.words(dd), out), steps)
             rows.append(("down", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == down_base else ""))
     table("MoE decode kernels' sweep (one token)", ["kernel", "lanes per row", "rows per group", "us", ""], rows)
 

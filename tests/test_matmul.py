@@ -218,43 +218,102 @@ def random_q8_0(rng, shape):
     return weights.PackedWeight(T.Q8_0, shape, rng.integers(-127, 128, shape, dtype=np.int8), scales)
 
 
-class Experts:
-    """Random experts stored in permuted cache slots (expert e lives in slot slot_of[e])."""
+_NAN_BITS = {T.F32: np.float32(np.nan), T.F16: np.float16(np.nan), T.BF16: np.uint16(0x7FC0)}
 
-    def __init__(self, rng, ggml_type, n_expert=E, d_in=D_IN, d_ff=D_FF, d_out=D_OUT, quantized=False):
+
+def select_experts(packed, experts):
+    """The packed weights of the listed experts, in that order; -1 lists a poisoned one (NaN wherever read:
+    float values NaN, quant scales NaN)."""
+    experts = np.asarray(experts)
+    index = np.maximum(experts, 0)
+    data = packed.data[index]
+    scales = None if packed.scales is None else packed.scales[index]
+    if packed.scales is None:
+        data[experts < 0] = _NAN_BITS[packed.ggml_type]
+    else:
+        scales[experts < 0] = np.nan
+    return weights.PackedWeight(packed.ggml_type, (len(experts), *packed.shape[1:]), data, scales)
+
+
+def mapped_upload(packed):
+    """A DeviceWeight in mapped pinned host memory (`cuda.mapped_array`, zero-copy: the runtime's host copy of
+    the experts). The simulator's cuda.mapped_array is a plain simulated device array, so there this checks
+    the two-source logic, not the memory; on the GPU the kernels read the host memory itself."""
+    def mapped(array):
+        out = cuda.mapped_array(array.shape, array.dtype)
+        out[...] = array        # (numba's MappedNDArray.copy_to_device fails: it is a numpy array, written so)
+        return out
+    scales = packed.scales if packed.scales is not None else np.zeros(1, np.float16)
+    return weights.DeviceWeight(packed.ggml_type, packed.shape, mapped(packed.data), mapped(scales))
+
+
+def mixed_slots(rng, n_expert):
+    """slot_of with half the experts in VRAM slots at shuffled indices (one spare slot, poisoned, too), the
+    other half only in the host copy (-1)."""
+    slot_of = np.full(n_expert, -1, np.int32)
+    cached = rng.permutation(n_expert)[:n_expert // 2]
+    slot_of[cached] = rng.permutation(len(cached) + 1)[:len(cached)]
+    return slot_of
+
+
+class Experts:
+    """Random experts (expert order) placed by a slot_of: expert e in the VRAM slot arrays at slot_of[e] when
+    that is >= 0, else only in the host arrays (mapped memory) at e. Whatever a kernel must not read (spare
+    slots, host copies of cached experts) is poisoned, so reading the wrong source shows as NaN."""
+
+    def __init__(self, rng, ggml_type, n_expert=E, d_in=D_IN, d_ff=D_FF, d_out=D_OUT, quantized=False,
+                 slot_of=None):
         self.type, self.n_expert = ggml_type, n_expert
-        self.slot_of = rng.permutation(n_expert).astype(np.int32)
         shapes = ((n_expert, d_ff, d_in), (n_expert, d_ff, d_in), (n_expert, d_out, d_ff))
-        if quantized:       # already quants (Q8_0), in any slot order
+        if quantized:       # already quants (Q8_0)
             self.packed = [random_q8_0(rng, shape) for shape in shapes]
         else:
-            in_slot = np.argsort(self.slot_of)
-            self.packed = [weights.quantize(rng.standard_normal(shape).astype(np.float32)[in_slot], ggml_type)
+            self.packed = [weights.quantize(rng.standard_normal(shape).astype(np.float32), ggml_type)
                            for shape in shapes]
-        self.gate, self.up, self.down = (weights.upload(p) for p in self.packed)
         self.d_ff, self.d_out = d_ff, d_out
+        self.place(mixed_slots(rng, n_expert) if slot_of is None else slot_of)
+
+    def place(self, slot_of):
+        """Put the experts where slot_of says (all slots: a permutation; all host: -1 everywhere)."""
+        self.slot_of = np.asarray(slot_of, np.int32)
+        cached = self.slot_of >= 0
+        in_slot = np.full(max(1, self.slot_of.max() + 1), -1)
+        in_slot[self.slot_of[cached]] = np.flatnonzero(cached)
+        in_host = np.where(cached, -1, np.arange(self.n_expert))
+        self.slots = [weights.upload(select_experts(p, in_slot)) for p in self.packed]
+        self.host = [mapped_upload(select_experts(p, in_host)) for p in self.packed]
+        return self
 
     def reference(self, experts):
         """float64 gate, up, down of the listed experts, in that order."""
-        slots = self.slot_of[experts]
-        return [weights.dequantize(weights.PackedWeight(p.ggml_type, (len(slots), *p.shape[1:]), p.data[slots],
-                                                        p.scales[slots] if p.scales is not None else None))
-                for p in self.packed]
+        return [weights.dequantize(select_experts(p, experts)) for p in self.packed]
 
-    def run(self, family, x, ids, route_w, k=K):
+    def launches(self, family, d_in, k=K):
+        swiglu = moe.make_moe_swiglu_matmul(family, self.type, d_in, self.d_ff, self.n_expert, k)
+        down = moe.make_moe_down_matmul(family, self.type, self.d_ff, self.d_out, self.n_expert, k)
+        return swiglu, down
+
+    def run(self, family, x, ids, route_w, k=K, ranges=((0, None),), trace=None):
+        """(act, out) of gate/up then down over each expert range in turn (as the prefill ring streams them);
+        `trace`, a list: act after each range's gate/up is appended to it."""
+        swiglu, down = self.launches(family, x.shape[1], k)
         groups = run_groups(ids, self.n_expert, k)
         slot_of = cuda.to_device(self.slot_of)
+        x, route_w = cuda.to_device(x), cuda.to_device(route_w)
         act = cuda.to_device(np.full((ids.size, self.d_ff), np.nan, np.float32))
-        out = cuda.to_device(np.full((len(x), self.d_out), np.nan, np.float32))
-        moe.make_moe_swiglu_matmul(family, self.type, x.shape[1], self.d_ff, self.n_expert, k)(
-            0, cuda.to_device(x), groups, slot_of, self.gate, self.up, act)
-        moe.make_moe_down_matmul(family, self.type, self.d_ff, self.d_out, self.n_expert, k)(
-            0, act, groups, cuda.to_device(route_w), slot_of, self.down, out)
+        out = cuda.to_device(np.full((len(ids), self.d_out), np.nan, np.float32))
+        (gate, up, dw), (host_gate, host_up, host_down) = self.slots, self.host
+        for lo, hi in ranges:
+            swiglu(0, x, groups, slot_of, gate, up, host_gate, host_up, act, lo, hi)
+            if trace is not None:
+                trace.append(act.copy_to_host())
+            down(0, act, groups, route_w, slot_of, dw, host_down, out, lo, hi)
+        check_groups(groups, ids, self.n_expert)     # as it was (prefill down ranks pairs in it for a while)
         return act.copy_to_host(), out.copy_to_host()
 
 
-def moe_inputs(rng, rows, k=K, d_in=D_IN):
-    return activations(rng, rows, d_in), top_ids(rng, rows, k=k), rng.random((rows, k)).astype(np.float32)
+def moe_inputs(rng, rows, k=K, d_in=D_IN, n_expert=E):
+    return activations(rng, rows, d_in), top_ids(rng, rows, n_expert, k), rng.random((rows, k)).astype(np.float32)
 
 
 def check_moe(experts, x, ids, route_w, act, out):
@@ -269,8 +328,9 @@ def check_moe(experts, x, ids, route_w, act, out):
 
 
 def test_moe_prefill_matches_reference_for_any_chunk(rng):
-    """Gate/up and down against the reference; then a chunk of 3 of those rows gives their bits again (the
-    GPU test repeats this at Qwen3-30B-A3B's shape)."""
+    """Gate/up and down against the reference, half the experts read from VRAM slots, half from the host
+    copy; then a chunk of 3 of those rows gives their bits again (the GPU test repeats this at Qwen3-30B-A3B's
+    shape)."""
     experts = Experts(rng, T.Q4_0)
     x, ids, route_w = moe_inputs(rng, 7)
     act, whole = experts.run("prefill", x, ids, route_w)
@@ -280,13 +340,72 @@ def test_moe_prefill_matches_reference_for_any_chunk(rng):
 
 
 def test_moe_decode_matches_reference_for_any_window(rng):
-    """A window of 5 against the reference; row 0 alone (its experts then grouped with no other row) gives
-    the same bits."""
+    """A window of 5 against the reference, experts from slots and host; row 0 alone (its experts then
+    grouped with no other row) gives the same bits."""
     experts = Experts(rng, T.Q8_0)
     x, ids, route_w = moe_inputs(rng, 5)
     act, window = experts.run("decode", x, ids, route_w)
     check_moe(experts, x, ids, route_w, act, window)
     assert np.array_equal(experts.run("decode", x[:1], ids[:1], route_w[:1])[1], window[:1])
+
+
+@pytest.mark.parametrize("family, rows", [("decode", 4), ("prefill", 5)])
+def test_moe_reads_the_same_bits_from_slots_or_host(rng, family, rows):
+    """Every expert from VRAM slots (shuffled), then every expert from the host copy: act and out equal."""
+    experts = Experts(rng, T.Q8_0, slot_of=rng.permutation(E))
+    x, ids, route_w = moe_inputs(rng, rows)
+    from_slots = experts.run(family, x, ids, route_w)
+    from_host = experts.place(np.full(E, -1)).run(family, x, ids, route_w)
+    assert not np.isnan(from_slots[1]).any()
+    assert all(np.array_equal(a, b) for a, b in zip(from_slots, from_host))
+
+
+RANGES = ((0, 3), (3, 7), (7, None))
+N_RANGED = 8        # experts of the range tests (RANGES covers them)
+
+
+def test_moe_prefill_over_expert_ranges_equals_one_launch(rng):
+    """gate/up then down over experts [0, 3), [3, 7), [7, 8) in turn give bitwise the act and out of one
+    launch over all (a row's terms add in ascending expert order whatever the ranges, here 3 per row); a
+    range's gate/up writes only its experts' act rows (act starts as NaN)."""
+    experts = Experts(rng, T.F16, n_expert=N_RANGED)
+    x, ids, route_w = moe_inputs(rng, 6, k=3, n_expert=N_RANGED)
+    act, out = experts.run("prefill", x, ids, route_w, k=3)
+    check_moe(experts, x, ids, route_w, act, out)
+    trace = []
+    ranged = experts.run("prefill", x, ids, route_w, k=3, ranges=RANGES, trace=trace)
+    assert np.array_equal(ranged[0], act) and np.array_equal(ranged[1], out)
+    pair_experts = ids.reshape(-1)
+    for (_, hi), seen in zip(RANGES, trace):
+        done = pair_experts < (hi or N_RANGED)
+        assert np.array_equal(seen[done], act[done]) and np.isnan(seen[~done]).all()
+
+
+def test_moe_prefill_over_expert_ranges_for_any_chunk(rng):
+    """A chunk split in two, each half over the expert ranges: the rows of one whole launch, bitwise."""
+    experts = Experts(rng, T.Q8_0, n_expert=N_RANGED)
+    x, ids, route_w = moe_inputs(rng, 5, n_expert=N_RANGED)
+    _, whole = experts.run("prefill", x, ids, route_w)
+    for part in (slice(0, 2), slice(2, 5)):
+        _, out = experts.run("prefill", x[part], ids[part], route_w[part], ranges=RANGES)
+        assert np.array_equal(out, whole[part])
+
+
+@pytest.mark.parametrize("lo, hi", [(1, None), (0, 3)])
+def test_moe_decode_refuses_an_expert_range(lo, hi):
+    """Decode runs over every expert in one launch: a range is refused before anything is read."""
+    swiglu = moe.make_moe_swiglu_matmul("decode", T.F32, D_IN, D_FF, E, K)
+    down = moe.make_moe_down_matmul("decode", T.F32, D_FF, D_OUT, E, K)
+    with pytest.raises(ValueError, match="decode runs over all 4 experts"):
+        swiglu(0, None, None, None, None, None, None, None, None, lo, hi)
+    with pytest.raises(ValueError, match="decode runs over all 4 experts"):
+        down(0, None, None, None, None, None, None, None, lo, hi)
+
+
+def test_moe_prefill_refuses_a_range_outside_the_experts():
+    swiglu = moe.make_moe_swiglu_matmul("prefill", T.F32, D_IN, D_FF, E, K)
+    with pytest.raises(ValueError, match=r"need 0 <= lo <= hi <= 4"):
+        swiglu(0, None, None, None, None, None, None, None, None, 3, 5)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -317,8 +436,10 @@ def test_gpu_real_shape(rng, family, ggml_type):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["decode", "prefill"])
 def test_gpu_moe_qwen3_30b_shape(rng, family):
-    """128 experts of Qwen3-30B-A3B's shape; a prefill chunk's 96 rows use 24 of them (so each gets ~32
-    pairs, and the float64 reference dequantizes 24, not 128)."""
+    """128 experts of Qwen3-30B-A3B's shape, half in VRAM slots and half in mapped host memory; a prefill
+    chunk's 96 rows use 24 of them (so each gets ~32 pairs, and the float64 reference dequantizes 24, not 128).
+    Then: a few rows again give their bits; prefill over three expert ranges gives the bits of one launch;
+    every expert read from the host copy gives the bits of every expert read from slots."""
     experts = Experts(rng, T.Q8_0, n_expert=128, d_in=2048, d_ff=768, d_out=2048, quantized=True)
     rows = 5 if family == "decode" else 96
     ids = top_ids(rng, rows, 128, 8, chosen=None if family == "decode" else 24)
@@ -328,3 +449,10 @@ def test_gpu_moe_qwen3_30b_shape(rng, family):
     part = slice(1, 4)
     _, out_part = experts.run(family, x[part], ids[part], route_w[part], k=8)
     assert np.array_equal(out_part, out[part])
+    if family == "prefill":
+        ranged = experts.run(family, x, ids, route_w, k=8, ranges=((0, 7), (7, 16), (16, None)))
+        assert np.array_equal(ranged[0], act) and np.array_equal(ranged[1], out)
+    from_slots = experts.place(rng.permutation(128)).run(family, x, ids, route_w, k=8)
+    from_host = experts.place(np.full(128, -1)).run(family, x, ids, route_w, k=8)
+    assert all(np.array_equal(a, b) for a, b in zip(from_slots, from_host))
+    assert np.array_equal(from_slots[1], out)

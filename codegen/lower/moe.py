@@ -5,15 +5,31 @@ The groups buffer (`codegen.graph.moe_groups_length`): offsets[n_expert + 1], th
 row * k + slot, ascending within an expert), then active[n_expert + 1] (the count of experts with pairs, then
 those experts ascending). Grids never depend on it: blocks past the work it describes return at once.
 
+Two weight sources. Expert e's gate/up/down rows are read from the VRAM slot arrays (n_slots, rows, cols) at
+index slot_of[e] when slot_of[e] >= 0 (the expert cache, the prefill ring), else from the host arrays
+(n_expert, rows, cols) at index e (the mapped pinned host copy, zero-copy). Same packed layout, same code
+path: a result is bitwise the same whichever source an expert is read from.
+
+The weighted sum: each output row adds its k terms in ascending expert id order (top-k picks distinct
+experts per row): the term of the row's smallest expert writes out[r] = w * dot, every later one does
+out[r] = out[r] + w * dot (decode: the same order, summed in registers).
+
 decode family: a window's rows pick distinct experts each (top-k does), so an expert has at most
   MAX_WINDOW pairs. gate/up: block (column group, y) computes every pair of the y-th active expert with one
   read of its rows. down: a block owns a few output columns; its groups take the active experts in turn,
-  each expert's rows read once, the pairs' dots kept in shared memory; then each output is the
-  route-weighted sum over slots j = 0..k-1 in that order.
+  each expert's rows read once, the pairs' dots and experts kept in shared memory; then each output is the
+  route-weighted sum over the row's experts, ascending. One launch over every expert.
 prefill family: each expert is a small GEMM over its gathered pairs, tiled by the prefill core; tiles are
-  numbered across experts (an in-block scan of the offsets maps a block to its expert and tile). down runs
-  k passes, pass j over the pairs of slot j (each row once per pass): pass 0 writes, later passes add, so the
-  weighted sum is in slot order; each pass reads an expert's weights once.
+  numbered across the experts of the launch's range lo <= e < hi (an in-block scan of the offsets maps a
+  block to its expert and tile); pairs of other experts are not touched (gate/up leaves their act rows).
+  down runs k passes, pass q over the pairs whose expert has rank q among its row's k experts (ascending
+  ids), each row once per pass: rank 0 writes, later ranks add, so the weighted sum is in ascending expert
+  order, and launches over [0, a), [a, b), ..., [z, n_expert) in turn give bitwise the out of one launch over
+  [0, n_expert) (the ranges a prefill ring streams experts in). Each pass reads an expert's weights once. A
+  first kernel of the launch finds every pair's rank (one scan of the pairs list per block of rows) and keeps
+  it in the spare high bits of the pair's list entry (RANK_SHIFT..30); the launch's last kernel clears them,
+  so the groups buffer is as it was once the launch is done. Prefill kernels mask the bits off wherever they
+  read pairs; nothing else may read the pairs list while a prefill down launch is in flight.
 """
 
 import functools
@@ -29,6 +45,16 @@ GROUP_THREADS = 1024    # at most, for make_moe_groups: (expert, segment) items,
 GROUP_SEGMENT_PAIRS = 512   # pairs per segment, at least: few pairs (decode) get one segment, one thread each
 PREFILL_BM = 64         # pair rows of a prefill expert tile (an expert gets rows * k / n_expert on average)
 X_TILE = (2, BK, PREFILL_BM + PAD)
+
+
+@cuda.jit(device=True, inline=True)
+def _source(slot_of, e, n_rows, wa, sa, wb, sb, hwa, hsa, hwb, hsb):
+    """(first row, words and scales of a, of b) of expert e: its VRAM slot's rows, or (slot -1) its rows in
+    the host copy."""
+    s = slot_of[e]
+    if s >= 0:
+        return s * n_rows, wa, sa, wb, sb
+    return e * n_rows, hwa, hsa, hwb, hsb
 
 
 @cuda.jit(device=True, inline=True)
@@ -123,13 +149,15 @@ def decode_down_shape(ggml_type, n_ff: int, window: int) -> DecodeShape:
 
 @functools.cache
 def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape: DecodeShape):
-    """launch(stream, x, groups, slot_of, ga, gs, ua, us, act): the decode family's routed gate/up."""
+    """launch(stream, x, groups, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act): the decode family's routed
+    gate/up; expert e's rows come from the slot arrays (g*, u*) at slot_of[e], or the host arrays (hg*, hu*)
+    at e when slot_of[e] < 0."""
     tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
     dot, reduce = decode_core(ggml_type, n_in, nr, nr, tg, shape.cw, shape.unroll, window)
     red_shape, acc_shape = (groups, 2 * nr * window, tg), (2 * nr, window)
 
     @cuda.jit
-    def kernel(x, grouped, slot_of, ga, gs, ua, us, act):
+    def kernel(x, grouped, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act):
         red = cuda.shared.array(red_shape, np.float32)
         t = cuda.threadIdx.x & IDX
         g, lane = t // tg, t % tg
@@ -147,9 +175,9 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
                 pair[r] = grouped[n_expert + 1 + first + r]
                 xrow[r] = pair[r] // k
         n0 = ((cuda.blockIdx.x & BIDX) * groups + g) * nr
-        base = slot_of[e] * n_ff
+        base, wa, sa, wb, sb = _source(slot_of, e, n_ff, ga, gs, ua, us, hga, hgs, hua, hus)
         acc = cuda.local.array(acc_shape, np.float32)
-        dot(ga, gs, ua, us, base + n0, base + n0, base + n_ff - 1, base + n_ff - 1, x, xrow, nx, lane, acc)
+        dot(wa, sa, wb, sb, base + n0, base + n0, base + n_ff - 1, base + n_ff - 1, x, xrow, nx, lane, acc)
         reduce(red, g, lane, acc, nx)
         for j in range(lane, nr * window, tg):
             i, r = j // window, j % window
@@ -158,24 +186,29 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
 
     col_blocks = -(-n_ff // (groups * nr))
 
-    def launch(stream, x, grouped, slot_of, ga, gs, ua, us, act):
+    def launch(stream, x, grouped, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act):
         kernel[(col_blocks, min(n_expert, x.shape[0] * k)), groups * tg, stream](
-            x, grouped, slot_of, ga, gs, ua, us, act)
+            x, grouped, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act)
     return launch
 
 
 @functools.cache
 def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: DecodeShape):
-    """launch(stream, act, groups, route_w, slot_of, dw, ds, out): the decode family's routed down
-    projection with the weighted sum; the block's groups take the active experts in turn."""
+    """launch(stream, act, groups, route_w, slot_of, dw, ds, hdw, hds, out): the decode family's routed down
+    projection with the weighted sum (expert e's rows from dw/ds at slot_of[e], or hdw/hds at e when
+    slot_of[e] < 0); the block's groups take the active experts in turn, then each output sums its row's
+    terms in ascending expert id order."""
     tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
     dot, reduce = decode_core(ggml_type, n_ff, nr, 0, tg, shape.cw, shape.unroll, window)
     red_shape, dots_shape, acc_shape = (groups, nr * window, tg), (window * k, nr), (nr, window)
+    n_pairs = window * k
 
     @cuda.jit
-    def kernel(act, grouped, route_w, slot_of, dw, ds, out):
+    def kernel(act, grouped, route_w, slot_of, dw, ds, hdw, hds, out):
         red = cuda.shared.array(red_shape, np.float32)
         dots = cuda.shared.array(dots_shape, np.float32)
+        expert = cuda.shared.array(n_pairs, np.int32)      # pair -> its expert
+        order = cuda.shared.array(n_pairs, np.int32)       # row r's slots by ascending expert: order[r * k + q]
         t = cuda.threadIdx.x & IDX
         g, lane = t // tg, t % tg
         rows = route_w.shape[0]
@@ -187,34 +220,54 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
         acc = cuda.local.array(acc_shape, np.float32)
         for it in range(-(-n_active // groups)):
             y = it * groups + g
-            nx, base = 0, 0
+            nx, base, e = 0, 0, 0
+            cached = True
             if y < n_active:
                 e = grouped[active + 1 + y]
                 first = grouped[e]
                 nx = min(grouped[e + 1] - first, window)
-                base = slot_of[e] * n_out
+                s = slot_of[e]
+                cached = s >= 0
+                base = (s if cached else e) * n_out
                 for r in range(window):
                     if r < nx:
                         pair[r] = grouped[n_expert + 1 + first + r]
                         xrow[r] = pair[r]
-            dot(dw, ds, dw, ds, base + n0, base, base + n_out - 1, base, act, xrow, nx, lane, acc)
+            wa = dw if cached else hdw
+            sa = ds if cached else hds
+            dot(wa, sa, wa, sa, base + n0, base, base + n_out - 1, base, act, xrow, nx, lane, acc)
             reduce(red, g, lane, acc, nx)
             for j in range(lane, nr * window, tg):
                 if j % window < nx:
                     dots[pair[j % window], j // window] = red[g, j, 0]
+            if lane == 0:
+                for r in range(window):
+                    if r < nx:
+                        expert[pair[r]] = e
             cuda.syncthreads()
+        if t < rows * k:
+            r = t // k
+            rank = 0
+            for j in range(k):      # ties (a repeated expert, which top-k never gives) go by slot
+                other = expert[r * k + j]
+                if other < expert[t] or (other == expert[t] and j < t % k):
+                    rank += 1
+            order[r * k + rank] = t % k
+        cuda.syncthreads()
         for q in range(t, rows * nr, groups * tg):
             r, i = q // nr, q % nr
             if n0 + i < n_out:
-                total = route_w[r, 0] * dots[r * k, i]
-                for j in range(1, k):
+                j = order[r * k]
+                total = route_w[r, j] * dots[r * k + j, i]
+                for m in range(1, k):
+                    j = order[r * k + m]
                     total += route_w[r, j] * dots[r * k + j, i]
                 out[r, n0 + i] = total
 
     blocks = -(-n_out // nr)
 
-    def launch(stream, act, grouped, route_w, slot_of, dw, ds, out):
-        kernel[blocks, groups * tg, stream](act, grouped, route_w, slot_of, dw, ds, out)
+    def launch(stream, act, grouped, route_w, slot_of, dw, ds, hdw, hds, out):
+        kernel[blocks, groups * tg, stream](act, grouped, route_w, slot_of, dw, ds, hdw, hds, out)
     return launch
 
 
@@ -232,16 +285,18 @@ def _levels(count):
 
 
 @cuda.jit(device=True, inline=True)
-def _find_tile(grouped, tile_index, n_expert, bm, scan, found):
-    """(expert, tile) of the block's tile number, tiles counted expert by expert (ceil(pairs / bm) each);
-    expert -1 past the last tile. Every thread calls it; min(n_expert, THREADS) of them count experts."""
+def _find_tile(grouped, tile_index, lo, hi, bm, scan, found):
+    """(expert, tile) of the block's tile number, tiles counted expert by expert over experts lo..hi - 1
+    (ceil(pairs / bm) each); expert -1 past the last tile. Every thread calls it; min(hi - lo, THREADS) of
+    them count experts."""
     t = cuda.threadIdx.x & IDX
-    per_thread = -(-n_expert // THREADS)
-    levels = _levels(-(-n_expert // per_thread))
+    n_range = hi - lo
+    per_thread = -(-n_range // THREADS)
+    levels = _levels(-(-n_range // per_thread))
     mine = 0
     for q in range(per_thread):
-        e = t * per_thread + q
-        if e < n_expert:
+        e = lo + t * per_thread + q
+        if e < hi:
             mine += -(-(grouped[e + 1] - grouped[e]) // bm)
     if t == 0:
         found[0] = -1
@@ -250,8 +305,8 @@ def _find_tile(grouped, tile_index, n_expert, bm, scan, found):
     start = scan[t] - mine
     if start <= tile_index < scan[t]:
         for q in range(per_thread):
-            e = t * per_thread + q
-            if e < n_expert:
+            e = lo + t * per_thread + q
+            if e < hi:
                 tiles = -(-(grouped[e + 1] - grouped[e]) // bm)
                 if start <= tile_index < start + tiles:
                     found[0] = e
@@ -261,21 +316,87 @@ def _find_tile(grouped, tile_index, n_expert, bm, scan, found):
     return found[0], found[1]
 
 
+RANK_SHIFT = 27            # during a down launch, a pair's rank rides in bits 27..30 of its list entry
+PAIR_MASK = (1 << RANK_SHIFT) - 1
+MAX_RANKED_K = 1 << (31 - RANK_SHIFT)
+RANK_PAIRS = 8192          # pairs of the rows a rank block owns: their experts sit in shared memory (int16)
+
+
+@functools.cache
+def rank_kernels(n_expert: int, k: int):
+    """(rank, unrank, rows per rank block): rank[ceil(rows / that), THREADS](groups, n_pairs) sets bits
+    RANK_SHIFT.. of each pair's list entry to the pair's rank among its row's k experts (ascending ids; a
+    repeated expert, which top-k never gives, ranks by slot); unrank[ceil(n_pairs / 64), 64](groups, n_pairs)
+    clears them. A rank block owns RANK_PAIRS // k rows: one scan of the list finds the expert of each of
+    their pairs (a binary search of the offsets), a second writes the ranks."""
+    if not 0 < k <= MAX_RANKED_K:
+        raise ValueError(f"top {k} experts: the prefill down projection ranks at most {MAX_RANKED_K} per row")
+    window = RANK_PAIRS // k
+    pairs_at = n_offsets = n_expert + 1
+    last = n_expert - 1
+
+    @cuda.jit
+    def rank(grouped, n_pairs):
+        expert_of = cuda.shared.array(RANK_PAIRS, np.int16)
+        offsets = cuda.shared.array(n_offsets, np.int32)
+        t = cuda.threadIdx.x & IDX
+        p0 = (cuda.blockIdx.x & BIDX) * window * k
+        p1 = min(n_pairs, p0 + window * k)
+        for e in range(t, n_offsets, THREADS):
+            offsets[e] = grouped[e]
+        cuda.syncthreads()
+        for pos in range(t, n_pairs, THREADS):
+            p = grouped[pairs_at + pos] & PAIR_MASK
+            if p0 <= p < p1:
+                lo, hi = 0, last            # the last expert whose pairs start at or before pos
+                while lo < hi:
+                    mid = (lo + hi + 1) >> 1
+                    if offsets[mid] <= pos:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                expert_of[p - p0] = lo
+        cuda.syncthreads()
+        for pos in range(t, n_pairs, THREADS):
+            p = grouped[pairs_at + pos] & PAIR_MASK
+            if p0 <= p < p1:
+                i = p - p0
+                j = i % k
+                mine = expert_of[i]
+                r = 0
+                for m in range(k):
+                    other = expert_of[i - j + m]
+                    if other < mine or (other == mine and m < j):
+                        r += 1
+                grouped[pairs_at + pos] = p | (r << RANK_SHIFT)
+
+    @cuda.jit
+    def unrank(grouped, n_pairs):
+        pos = (cuda.blockIdx.x & BIDX) * 64 + (cuda.threadIdx.x & IDX)
+        if pos < n_pairs:
+            grouped[pairs_at + pos] = grouped[pairs_at + pos] & PAIR_MASK
+
+    return rank, unrank, window
+
+
 @functools.cache
 def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, down: bool):
-    """kernel[(col tiles, tiles), THREADS](x, groups, route_w, slot_of, wa, sa, wb, sb, out, slot): one tile
-    of one expert's pairs.
-    gate/up (down False; slot -1, route_w unused): the expert's pairs in list order, x rows pair // k, tile
+    """kernel[(col tiles, tiles), THREADS](x, groups, route_w, slot_of, wa, sa, wb, sb, hwa, hsa, hwb, hsb,
+    out, rank, lo, hi): one tile of one expert e (lo <= e < hi) of its pairs; e's rows from the slot arrays
+    (w*, s*) at slot_of[e], or the host arrays (hw*, hs*) at e when slot_of[e] < 0. Pairs are read masked
+    (PAIR_MASK): their entries may carry ranks.
+    gate/up (down False; rank -1, route_w unused): the expert's pairs in list order, x rows pair // k, tile
       rows 0..63 gate and 64..127 up for the same 64 columns; out (act) row pair = silu(gate) * up.
-    down (slot j): the expert's pairs of slot j, ranked in list order, x (act) rows pair; out row
-      pair // k = route_w * dot (j = 0) or out + route_w * dot (j > 0)."""
+    down (rank q; the entries carry ranks, `rank_kernels`): the expert's pairs of rank q, numbered in list
+      order, x (act) rows pair; out row pair // k = route_w * dot (q = 0) or out + route_w * dot (q > 0)."""
     bm = PREFILL_BM
     tile = prefill_core(ggml_type, n_in, bm)
     tm = bm // 16
     cols = BN if down else BN // 2
+    pairs_at = n_expert + 1                        # the pairs list's start in the groups buffer
 
     @cuda.jit
-    def kernel(x, grouped, route_w, slot_of, wa, sa, wb, sb, out, slot):
+    def kernel(x, grouped, route_w, slot_of, wa, sa, wb, sb, hwa, hsa, hwb, hsb, out, rank, lo, hi):
         xs = cuda.shared.array(X_TILE, np.float32, alignment=ALIGN)
         ws = cuda.shared.array(W_TILE, np.float32, alignment=ALIGN)
         scan = cuda.shared.array(THREADS, np.int64)
@@ -283,19 +404,19 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
         pairs = cuda.shared.array(bm, np.int64)
         xrows = cuda.shared.array(bm, np.int64)
         t = cuda.threadIdx.x & IDX
-        e, tile_no = _find_tile(grouped, cuda.blockIdx.y & BIDX, n_expert, bm, scan, found)
+        e, tile_no = _find_tile(grouped, cuda.blockIdx.y & BIDX, lo, hi, bm, scan, found)
         if e < 0:
             return
         first = grouped[e]
         count = grouped[e + 1] - first
         if down:
-            # the slot's pairs, ranked in list order: rank r goes to tile r // bm, row r % bm
+            # the pairs of rank `rank`, numbered in list order: number m goes to tile m // bm, row m % bm
             per_thread = -(-count // THREADS)
             levels = _levels(-(-count // per_thread))
-            lo, hi = t * per_thread, min(count, (t + 1) * per_thread)
+            q0, q1 = t * per_thread, min(count, (t + 1) * per_thread)
             mine = 0
-            for q in range(lo, hi):
-                if grouped[n_expert + 1 + first + q] % k == slot:
+            for q in range(q0, q1):
+                if grouped[pairs_at + first + q] >> RANK_SHIFT == rank:
                     mine += 1
             if t < bm:
                 pairs[t] = -1
@@ -303,36 +424,38 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
             _scan(scan, t, levels)
             if tile_no * bm >= scan[(1 << levels) - 1]:
                 return
-            rank = scan[t] - mine
-            for q in range(lo, hi):
-                p = grouped[n_expert + 1 + first + q]
-                if p % k == slot:
-                    if tile_no * bm <= rank < (tile_no + 1) * bm:
-                        pairs[rank - tile_no * bm] = p
-                    rank += 1
+            number = scan[t] - mine
+            for q in range(q0, q1):
+                entry = grouped[pairs_at + first + q]
+                if entry >> RANK_SHIFT == rank:
+                    if tile_no * bm <= number < (tile_no + 1) * bm:
+                        pairs[number - tile_no * bm] = entry & PAIR_MASK
+                    number += 1
         elif t < bm:
             q = tile_no * bm + t
-            pairs[t] = grouped[n_expert + 1 + first + q] if q < count else -1
+            pairs[t] = grouped[pairs_at + first + q] & PAIR_MASK if q < count else -1
         cuda.syncthreads()
         if t < bm:
             xrows[t] = pairs[t] if down or pairs[t] < 0 else pairs[t] // k
         cuda.syncthreads()
         n0 = (cuda.blockIdx.x & BIDX) * cols
-        base = slot_of[e] * n_cols
+        base, a_words, a_scales, b_words, b_scales = _source(slot_of, e, n_cols, wa, sa, wb, sb,
+                                                             hwa, hsa, hwb, hsb)
         last = base + n_cols - 1
         acc = cuda.local.array((tm, 8), np.float32)
-        tile(x, xrows, wa, sa, wb, sb, base + n0, base + n0 + cols - BN // 2, last, last, xs, ws, acc)
+        tile(x, xrows, a_words, a_scales, b_words, b_scales, base + n0, base + n0 + cols - BN // 2, last, last,
+             xs, ws, acc)
         tx, ty = t % 16, t // 16
         for i in range(tm):
             p = pairs[(i // 4) * (bm // (tm // 4)) + ty * 4 + i % 4]
             if p >= 0:
-                weight = route_w[p // k, slot] if down else np.float32(0)
+                weight = route_w[p // k, p % k] if down else np.float32(0)
                 for j in range(8 if down else 4):
                     n = n0 + (j // 4) * (BN // 2) + tx * 4 + j % 4
                     if n < n_cols:
                         if not down:
                             out[p, n] = silu(acc[i, j]) * acc[i, j + 4]
-                        elif slot == 0:
+                        elif rank == 0:
                             out[p // k, n] = weight * acc[i, j]
                         else:
                             out[p // k, n] = out[p // k, n] + weight * acc[i, j]
@@ -340,9 +463,45 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
     return kernel, -(-n_cols // cols)
 
 
-def _max_tiles(n_pairs: int, n_expert: int) -> int:
-    """Tiles the experts' pairs can make at most: sum over experts of ceil(pairs / PREFILL_BM)."""
-    return -(-n_pairs // PREFILL_BM) + min(n_expert, n_pairs)
+def _max_tiles(rows: int, k: int, n_range: int) -> int:
+    """Tiles the pairs of n_range experts can make at most: the sum over them of ceil(pairs / PREFILL_BM) is
+    at most floor(P / PREFILL_BM) + the experts with pairs, where rows give P <= rows * min(k, n_range) such
+    pairs (top-k's experts are distinct)."""
+    n_pairs = rows * min(k, n_range)
+    return n_pairs // PREFILL_BM + min(n_range, n_pairs)
+
+
+def _range(family: str, n_expert: int, lo, hi) -> tuple:
+    """(lo, hi) checked: prefill takes any 0 <= lo <= hi <= n_expert; decode runs over every expert."""
+    hi = n_expert if hi is None else hi
+    if family == "decode":
+        if lo != 0 or hi != n_expert:
+            raise ValueError(f"expert range [{lo}, {hi}) in a decode-family launch: decode runs over all "
+                             f"{n_expert} experts at once (lo=0, hi=None); only prefill launches take a range")
+    elif not 0 <= lo <= hi <= n_expert:
+        raise ValueError(f"expert range [{lo}, {hi}): need 0 <= lo <= hi <= {n_expert} (the layer's experts)")
+    return int(lo), int(hi)
+
+
+def _device_view(array):
+    """A mapped host array (`cuda.mapped_array`: a numpy array too) as the device array a kernel takes; device
+    arrays (and all of the simulator's arrays) as they are. numba's mapped arrays lose their device pointer
+    in numpy views (reshape, slices): a view without one is refused, not read as address 0."""
+    if not isinstance(array, np.ndarray):
+        return array
+    view = cuda.as_cuda_array(array)
+    if not view.device_ctypes_pointer.value:
+        raise ValueError("a host weight array with no device pointer: a numpy view (slice, reshape) of a "
+                         "cuda.mapped_array loses it; view the mapped array with cuda.as_cuda_array first")
+    return view
+
+
+def _words(weight):
+    """(words, scales) of a DeviceWeight (`matmul.words`) whose arrays are device arrays or mapped host memory."""
+    data, scales = _device_view(weight.data), _device_view(weight.scales)
+    if data is not weight.data or scales is not weight.scales:
+        weight = type(weight)(weight.ggml_type, weight.shape, data, scales)
+    return words(weight)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -351,39 +510,64 @@ def _max_tiles(n_pairs: int, n_expert: int) -> int:
 
 @functools.cache
 def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_expert: int, k: int):
-    """launch(stream, x, groups, slot_of, gate, up, act): act[r * k + j] = silu(gate[s] @ x[r]) * (up[s] @ x[r])
-    with s = slot_of[ids[r, j]]; gate/up (n_slots, n_ff, n_in)."""
+    """launch(stream, x, groups, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None):
+    act[r * k + j] = silu(G @ x[r]) * (U @ x[r]) for the pairs whose expert e = ids[r, j] has lo <= e < hi
+    (hi None: n_expert; decode: every expert, no range), other act rows untouched; G, U = gate[slot_of[e]],
+    up[slot_of[e]] (gate/up (n_slots, n_ff, n_in)), or host_gate[e], host_up[e] (host_* (n_expert, n_ff,
+    n_in), the same layout) when slot_of[e] < 0."""
     check(family, ggml_type, n_in, n_ff)
     if family == "decode":
-        def launch(stream, x, grouped, slot_of, gate, up, act):
+        def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None):
+            _range(family, n_expert, lo, hi)
             shape = decode_swiglu_shape(ggml_type, n_in, window_rows(x))
             decode_swiglu(T(ggml_type), n_in, n_ff, n_expert, k, shape)(
-                stream, x, grouped, slot_of, *words(gate), *words(up), act)
+                stream, x, grouped, slot_of, *_words(gate), *_words(up), *_words(host_gate), *_words(host_up),
+                act)
         return launch
     kernel, col_tiles = prefill_kernel(T(ggml_type), n_in, n_ff, n_expert, k, False)
 
-    def launch(stream, x, grouped, slot_of, gate, up, act):
-        grid = (col_tiles, _max_tiles(x.shape[0] * k, n_expert))
-        kernel[grid, THREADS, stream](x, grouped, x, slot_of, *words(gate), *words(up), act, -1)   # x: no route_w
+    def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None):
+        lo, hi = _range(family, n_expert, lo, hi)
+        tiles = _max_tiles(x.shape[0], k, hi - lo)
+        if tiles:
+            kernel[(col_tiles, tiles), THREADS, stream](
+                x, grouped, x, slot_of, *_words(gate), *_words(up), *_words(host_gate), *_words(host_up), act,
+                -1, lo, hi)     # x: no route_w
     return launch
 
 
 @functools.cache
 def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert: int, k: int):
-    """launch(stream, act, groups, route_w, slot_of, down, out): out[r] = sum over j = 0..k-1, in order, of
-    route_w[r, j] * (down[slot_of[ids[r, j]]] @ act[r * k + j]); down (n_slots, n_out, n_ff)."""
+    """launch(stream, act, groups, route_w, slot_of, down, host_down, out, lo=0, hi=None): out[r] = the sum
+    over the row's experts e = ids[r, j], in ascending id order, of route_w[r, j] * (D @ act[r * k + j]), with
+    D = down[slot_of[e]] (down (n_slots, n_out, n_ff)), or host_down[e] ((n_expert, n_out, n_ff)) when
+    slot_of[e] < 0. prefill: only the terms of experts lo <= e < hi (hi None: n_expert); the smallest expert's
+    term writes out[r], the others add, so launches over [0, a), [a, b), ..., [z, n_expert) in that order give
+    bitwise the out of one launch over every expert. decode: every expert, no range."""
     check(family, ggml_type, n_ff, n_out)
     if family == "decode":
-        def launch(stream, act, grouped, route_w, slot_of, down, out):
+        def launch(stream, act, grouped, route_w, slot_of, down, host_down, out, lo=0, hi=None):
+            _range(family, n_expert, lo, hi)
             shape = decode_down_shape(ggml_type, n_ff, window_rows(route_w))
             decode_down(T(ggml_type), n_ff, n_out, n_expert, k, shape)(
-                stream, act, grouped, route_w, slot_of, *words(down), out)
+                stream, act, grouped, route_w, slot_of, *_words(down), *_words(host_down), out)
         return launch
     kernel, col_tiles = prefill_kernel(T(ggml_type), n_ff, n_out, n_expert, k, True)
+    rank_pairs, unrank_pairs, rank_rows = rank_kernels(n_expert, k)
 
-    def launch(stream, act, grouped, route_w, slot_of, down, out):
-        grid = (col_tiles, _max_tiles(route_w.shape[0] * k, n_expert))
-        dw, ds = words(down)
-        for slot in range(k):       # pass j adds slot j's terms: the weighted sum runs in slot order
-            kernel[grid, THREADS, stream](act, grouped, route_w, slot_of, dw, ds, dw, ds, out, slot)
+    def launch(stream, act, grouped, route_w, slot_of, down, host_down, out, lo=0, hi=None):
+        lo, hi = _range(family, n_expert, lo, hi)
+        rows = route_w.shape[0]
+        tiles, n_pairs = _max_tiles(rows, k, hi - lo), rows * k
+        if not tiles:
+            return
+        if n_pairs > PAIR_MASK:
+            raise ValueError(f"{rows} rows x top {k}: the prefill down projection takes at most {PAIR_MASK} pairs")
+        dw, ds = _words(down)
+        hw, hs = _words(host_down)
+        rank_pairs[-(-rows // rank_rows), THREADS, stream](grouped, n_pairs)
+        for q in range(k):      # pass q adds each row's q-th smallest expert's term: ascending id order
+            kernel[(col_tiles, tiles), THREADS, stream](act, grouped, route_w, slot_of, dw, ds, dw, ds, hw, hs, hw,
+                                                        hs, out, q, lo, hi)
+        unrank_pairs[-(-n_pairs // 64), 64, stream](grouped, n_pairs)
     return launch

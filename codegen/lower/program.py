@@ -51,9 +51,11 @@ def arena_layout(model, kind: str, tokens: int, kv, with_drafter: bool = False):
 
 
 class _Lowering:
-    def __init__(self, graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots):
+    def __init__(self, graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots,
+                 host_experts):
         self.graph, self.hp, self.weights = graph, hparams, weights
         self.kv_pages, self.page_tables, self.expert_slots = kv_pages, page_tables, expert_slots
+        self.host_experts = host_experts
         self.family = "prefill" if graph.graph["kind"] == "prefill" else "decode"
         self.kv_type = graph.graph["kv"]
         self.tensors = {}
@@ -66,7 +68,7 @@ class _Lowering:
                 start = offsets[name]
                 view = arena[start:start + node["out_bytes"]].view(_DTYPES[node["dtype"]])
                 self.tensors[name] = view.reshape(node["shape"])
-        self.f32_placeholder = cuda.to_device(np.zeros(1, np.float32))
+        self.f32_placeholder = arena[:4].view(np.float32)     # never read: no bias; allocates nothing
 
     def weight(self, name: str):
         if name not in self.weights:
@@ -134,13 +136,15 @@ class _Lowering:
             gate, up = self.weight(weights[0]), self.weight(weights[1])
             launch = moe.make_moe_swiglu_matmul(family, gate.ggml_type, gate.shape[-1], gate.shape[-2],
                                                    hp.n_expert, hp.n_expert_used)
-            return Step(name, launch, (h, groups, self.expert_slots[layer], gate, up, out))
+            host_gate, host_up, _ = self.host_experts.get(layer, (gate, up, None))     # none: the slot arrays
+            return Step(name, launch, (h, groups, self.expert_slots[layer], gate, up, host_gate, host_up, out))
         if op == "moe_down_matmul":
-            act, groups, route_weights = inputs
+            act, groups, route_weights, _h = inputs     # h: an input only to stay live (codegen.graph)
             down = self.weight(weights[0])
             launch = moe.make_moe_down_matmul(family, down.ggml_type, down.shape[-1], down.shape[-2],
                                                  hp.n_expert, hp.n_expert_used)
-            return Step(name, launch, (act, groups, route_weights, self.expert_slots[layer], down, out))
+            host_down = self.host_experts.get(layer, (None, None, down))[2]
+            return Step(name, launch, (act, groups, route_weights, self.expert_slots[layer], down, host_down, out))
         if op == "kv_store":
             k, v, positions = inputs
             launch = kv_pages.make_kv_store(self.kv_type, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v,
@@ -160,18 +164,23 @@ class _Lowering:
 
 
 def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, arena, offsets: dict,
-          expert_slots: dict | None = None) -> Program:
+          expert_slots: dict | None = None, host_experts: dict | None = None) -> Program:
     """Bind every node of `graph` to its kernel.
 
     weights: GGUF tensor name -> DeviceWeight; kv_pages: layer -> the layer's K/V pages on the device
     (`kv_pages.kv_arrays(...)`, allocated); page_tables: layer -> int32 device array (logical page -> slot);
     arena: a device uint8 array of the pass's arena bytes; offsets: tensor -> byte offset (`arena_layout`);
-    expert_slots: MoE layer -> int32 device array (expert id -> index in that layer's expert weights; the
-    identity when omitted).
+    expert_slots: MoE layer -> int32 device array (expert id -> index in that layer's expert weights, the
+    VRAM slot arrays; -1: read from the host copy; the identity when omitted); host_experts: MoE layer ->
+    (host_gate, host_up, host_down) DeviceWeights of every expert (n_expert, ...), the mapped host copy that
+    experts with slot -1 are read from (a layer without: its slot arrays are passed as the host arrays, so
+    with every slot >= 0 nothing changes).
+    The steps launch the MoE kernels over every expert (lo=0, hi=None).
     """
     if expert_slots is None:
         identity = cuda.to_device(np.arange(hparams.n_expert, dtype=np.int32))
         expert_slots = {layer: identity for layer in range(hparams.n_layer)}
-    lowering = _Lowering(graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots)
+    lowering = _Lowering(graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots,
+                         host_experts or {})
     steps = [step for step in map(lowering.step, nodes_in_order(graph)) if step is not None]
     return Program(graph, steps, lowering.tensors)
