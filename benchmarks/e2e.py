@@ -10,10 +10,10 @@ skewed routing, built in memory by `runtime.synthetic.realistic_weights`), under
 
 Beside each figure, the planner's prediction and its error. Commands (prefix from DEVICE.md):
 
-    NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/e2e.py --layers 12 [--plans h200-141g rtx-5070-ti-16g ...]
+    NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/e2e.py --layers 6 [--plans h200-141g rtx-5070-ti-16g ...]
 
 `--layers` keeps the card's shape but fewer blocks (every figure is per token and per block alike; the
-weights take less time to build).
+weights take less time to build); an emulated card's usable VRAM shrinks in the same proportion.
 """
 
 import argparse
@@ -27,6 +27,8 @@ import yaml
 from benchmarks.ceilings import pinned_copy_bytes_per_s, read_bandwidth_bytes_per_s, time_s, zero_copy_read_bytes_per_s
 from codegen.lower.cuda import cuda, device_name
 from planner.model import load_model
+from planner.units import parse_bytes
+from planner.workload import Workload
 from plans import HARDWARE_DIR, MODELS_DIR
 from planner.search import solve
 from runtime.engine import Engine
@@ -34,7 +36,7 @@ from runtime.synthetic import realistic_weights
 
 CARD = "qwen3-30b-a3b-q8_0"
 LINK_FIELDS = ("host_to_device", "device_to_host", "zero_copy_read", "copy_latency", "graph_node_overhead")
-CONTEXT = 4096
+CONTEXT = 8192
 
 
 def reduced_card(layers: int, folder: Path) -> Path:
@@ -46,12 +48,17 @@ def reduced_card(layers: int, folder: Path) -> Path:
     return path
 
 
-def emulated_profile(name: str, measured: dict, folder: Path) -> Path:
-    """The card's profile with the H200's links as measured in this run (so its plan is priced as it runs)."""
+def emulated_profile(name: str, measured: dict, layers: int, folder: Path) -> Path:
+    """The card's profile with the H200's links as measured in this run (so its plan is priced as it runs),
+    and its usable VRAM scaled by layers / the card's blocks: the card holds the same share of the model."""
     profile = yaml.safe_load((HARDWARE_DIR / f"{name}.yaml").read_text())
+    full_blocks = yaml.safe_load((MODELS_DIR / f"{CARD}.yaml").read_text())["metadata"]["block_count"]
     for gpu in profile["gpus"]:
         gpu.update(measured)
-    profile["name"] = f"{name}-on-h200-links"
+        vram, reserved = parse_bytes(gpu["vram"]), parse_bytes(gpu["reserved"])
+        gpu["vram"] = f"{reserved + (vram - reserved) * layers // full_blocks} B"
+        gpu["reserved"] = f"{reserved} B"
+    profile["name"] = f"{name}-on-h200-links-{layers}-blocks"
     path = folder / f"{profile['name']}.yaml"
     path.write_text(yaml.safe_dump(profile))
     return path
@@ -71,11 +78,12 @@ def nearest(rows: list, key: str, value: int) -> dict:
     return min(rows, key=lambda row: abs(row[key] - value))
 
 
-def run_plan(name, profile, card, ceilings, prompt_tokens, new_tokens, rng):
-    plan = solve(profile, card, context=CONTEXT, kv="f16")
+def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, rng):
+    workload = Workload(prompts=((prompt_tokens, 1.0),), decode_tokens=new_tokens)
+    plan = solve(profile, card, context=CONTEXT, kv="f16", workload=workload)
     model = load_model(card)
     started = time.perf_counter()
-    engine = Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0))
+    engine = Engine(plan, card, tensors=tensors)
     start_s = time.perf_counter() - started
     try:
         vocab = model.hparams.n_vocab
@@ -128,7 +136,7 @@ def print_table(rows: list) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--plans", nargs="+", default=["h200-141g", "rtx-5070-ti-16g", "rtx-2060-super-8g"])
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=48)
@@ -144,9 +152,12 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         card = reduced_card(args.layers, folder)
+        started = time.perf_counter()
+        tensors = list(realistic_weights(card, seed=1, skew=1.0))      # built once, loaded by every plan
+        print(f"weights built in {time.perf_counter() - started:.0f} s")
         for name in args.plans:
-            profile = name if name == "h200-141g" else emulated_profile(name, measured_links, folder)
-            rows.append(run_plan(name, profile, card, ceilings, args.prompt_tokens, args.new_tokens, rng))
+            profile = name if name == "h200-141g" else emulated_profile(name, measured_links, args.layers, folder)
+            rows.append(run_plan(name, profile, card, tensors, ceilings, args.prompt_tokens, args.new_tokens, rng))
             cuda.current_context().deallocations.clear()
             print_table(rows[-1:])
     print()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from codegen.lower.cuda import cuda
+from codegen.lower.cuda import cuda, mapped_device_view
 from codegen.lower.weights import DeviceWeight, packed_layout
 from planner.errors import StratumError
 
@@ -61,6 +61,7 @@ class ExpertStore:
         self.resident = {b: {e: int(starts[i]) + e for e in range(counts[i])} for i, b in enumerate(self.blocks)}
         self.needs_host = any(c < self.n_expert for c in counts)
         self.host = {}
+        self.mapped = []        # the host copy's mapped arrays (device views of them are in self.host)
         self.decode_tables = {b: tables[f"blk.{b}.decode_slots"] for b in self.blocks}
         self.prefill_tables = {b: tables[f"blk.{b}.prefill_slots"] for b in self.blocks}
         self.counts = {b: np.zeros(self.n_expert, np.int64) for b in self.blocks}
@@ -81,14 +82,19 @@ class ExpertStore:
                 self._slot(matrix, slot, 1).scales.copy_to_device(packed.scales[expert:expert + 1])
         if self.needs_host:
             (data_shape, dtype), scales_shape = packed_layout(packed.ggml_type, packed.shape)
-            data = cuda.mapped_array(data_shape, dtype)
-            data[...] = packed.data
+            data = self._pinned(data_shape, dtype, packed.data)
             if scales_shape:
-                scales = cuda.mapped_array(scales_shape, np.float16)
-                scales[...] = packed.scales
+                scales = self._pinned(scales_shape, np.float16, packed.scales)
             else:
                 scales = data.reshape(-1)[:1].view(np.float16)
             self.host.setdefault(block, {})[matrix] = DeviceWeight(packed.ggml_type, packed.shape, data, scales)
+
+    def _pinned(self, shape, dtype, values):
+        """Mapped pinned host memory holding `values`, as a device view (kept alive with its host array)."""
+        mapped = cuda.mapped_array(shape, dtype)
+        mapped[...] = values
+        self.mapped.append(mapped)
+        return mapped_device_view(mapped)
 
     def write_decode_tables(self, stream=0) -> None:
         for block in self.blocks:

@@ -78,6 +78,20 @@ def roundf(x):
     return -b if x < 0 else b
 
 
+def mapped_device_view(array):
+    """A mapped host array (`cuda.mapped_array`, a numpy array too) as the device array kernels and copies
+    take; device arrays (and all of the simulator's arrays) as they are. numba's mapped arrays lose their
+    device pointer in numpy views (reshape, slices): view the whole array first, then slice the view. A view
+    without a pointer is refused, never read as address 0."""
+    if not isinstance(array, np.ndarray):
+        return array
+    view = cuda.as_cuda_array(array)
+    if not view.device_ctypes_pointer.value:
+        raise ValueError("a host array with no device pointer: a numpy view (slice, reshape) of a "
+                         "cuda.mapped_array loses it; view the mapped array with mapped_device_view first")
+    return view
+
+
 class CapturedGraph:
     """Work enqueued on a stream by `enqueue(stream)`, captured once as a CUDA graph and replayed with one
     launch (about 1 us a node against tens of us a Python launch). Kernels must already be compiled (run
@@ -118,4 +132,5 @@ class CapturedGraph:
             self.executable = self.graph = None
 
 
-__all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph"]
+__all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
+           "mapped_device_view"]

@@ -37,7 +37,7 @@ import functools
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import cuda
+from codegen.lower.cuda import cuda, mapped_device_view
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, FORMATS, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
                                   check, chunk_words, decode_core, prefill_core, silu, window_rows, words)
 
@@ -483,22 +483,9 @@ def _range(family: str, n_expert: int, lo, hi) -> tuple:
     return int(lo), int(hi)
 
 
-def _device_view(array):
-    """A mapped host array (`cuda.mapped_array`: a numpy array too) as the device array a kernel takes; device
-    arrays (and all of the simulator's arrays) as they are. numba's mapped arrays lose their device pointer
-    in numpy views (reshape, slices): a view without one is refused, not read as address 0."""
-    if not isinstance(array, np.ndarray):
-        return array
-    view = cuda.as_cuda_array(array)
-    if not view.device_ctypes_pointer.value:
-        raise ValueError("a host weight array with no device pointer: a numpy view (slice, reshape) of a "
-                         "cuda.mapped_array loses it; view the mapped array with cuda.as_cuda_array first")
-    return view
-
-
 def _words(weight):
     """(words, scales) of a DeviceWeight (`matmul.words`) whose arrays are device arrays or mapped host memory."""
-    data, scales = _device_view(weight.data), _device_view(weight.scales)
+    data, scales = mapped_device_view(weight.data), mapped_device_view(weight.scales)
     if data is not weight.data or scales is not weight.scales:
         weight = type(weight)(weight.ggml_type, weight.shape, data, scales)
     return words(weight)

@@ -1,0 +1,174 @@
+"""The engine (runtime.engine) on tiny generated models through the simulator: the DESIGN.md invariants a
+user relies on. The device allocation is the plan's bytes; logits are bitwise the same whatever the plan (K/V
+ring, expert cache and prefill ring sizes, chunk size); greedy tokens are the reference's; a reused
+conversation gives bitwise the logits of a cold read; bad requests are refused and leave the engine usable.
+
+A simulated pass takes tens of seconds, so prompts are short and decodes a few steps; the `gpu` tests run the
+same promises at real shapes on the H200."""
+
+import numpy as np
+import pytest
+
+from codegen.lower import cuda as shim
+from planner.errors import StratumError
+from planner.search import solve
+from runtime import reference
+from runtime.engine import Engine
+from runtime.synthetic import write_model
+
+CONTEXT = 256
+
+
+def write_profile(folder, vram_kib: int) -> str:
+    path = folder / f"tiny-{vram_kib}.yaml"
+    path.write_text(f"""name: tiny-{vram_kib}
+gpus:
+  - name: test GPU
+    vram: {vram_kib} KiB
+    reserved: 64 KiB
+    memory_bandwidth: 400 GB/s
+    fp32: 10 TFLOPS
+    fp16: 40 TFLOPS
+    host_to_device: 10 GB/s
+    device_to_host: 10 GB/s
+host:
+  ram: 1 GiB
+  pinned_budget: 512 MiB
+""")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("engine") / "qwen.gguf", "qwen3moe", seed=5, n_trunk=1)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("profiles")
+
+
+def plan_for(folder, model, vram_kib: int, **pins):
+    return solve(write_profile(folder, vram_kib), model, context=CONTEXT, kv="f32", page_tokens=16, pins=pins)
+
+
+class CountingAllocations:
+    """Every device allocation made through numba while it is active, in bytes."""
+
+    def __init__(self, monkeypatch):
+        self.bytes = []
+        cuda = shim.cuda
+        for name in ("device_array", "to_device", "device_array_like"):
+            original = getattr(cuda, name)
+
+            def counted(*args, _original=original, **kwargs):
+                array = _original(*args, **kwargs)
+                self.bytes.append(array.nbytes)
+                return array
+            monkeypatch.setattr(cuda, name, counted)
+
+
+def test_device_allocation_is_the_plan_and_greedy_tokens_are_the_references(folder, model, monkeypatch, rng):
+    """One prompt and one decode step, with part of the experts only in the host copy."""
+    plan = plan_for(folder, model, 600)
+    assert plan.knobs["expert_cache_slots"][0] == 4      # half the experts live only in the host copy
+    counting = CountingAllocations(monkeypatch)
+    prompt = rng.integers(0, 128, size=7).tolist()
+    with Engine(plan, model, progress=False) as engine:
+        out = engine.generate(prompt, max_new_tokens=2, return_logits=True)
+    assert counting.bytes == [plan.device_bytes(0)]
+    want = reference.forward(model, prompt + out.tokens[:1])[len(prompt) - 1:]
+    assert out.tokens == [int(np.argmax(row)) for row in want]
+    assert np.linalg.norm(out.logits - want) / np.linalg.norm(want) < 1e-4
+
+
+def test_prompt_logits_are_bitwise_the_same_for_every_plan(folder, model, rng):
+    """Five plans: every expert cached (chunks of 128); none cached (chunks of 64 from here on); 2 of 8 with a
+    3-slot ring; 4 with a 5-slot ring and a K/V ring of 6 pages; 6. (The GPU test reads prompts in several
+    chunks; chunk invariance is also each kernel's and each pass's own test.)"""
+    plans = [plan_for(folder, model, 800), plan_for(folder, model, 500), plan_for(folder, model, 550, ring_slots=3),
+             plan_for(folder, model, 600, chunk_tokens=64, ring_slots=5, kv_pages=6), plan_for(folder, model, 650)]
+    layouts = {(p.knobs["chunk_tokens"], p.knobs["kv_pages"], p.knobs["prefill_ring_slots"],
+                p.knobs["expert_cache_slots"][0]) for p in plans}
+    assert len(layouts) == 5, layouts
+    prompt = rng.integers(0, 128, size=12).tolist()
+    results = []
+    for plan in plans:
+        with Engine(plan, model, progress=False) as engine:
+            results.append(engine.generate(prompt, max_new_tokens=1, return_logits=True))
+    for other in results[1:]:
+        assert np.array_equal(other.logits, results[0].logits)
+
+
+def test_a_reused_conversation_gives_the_logits_of_a_cold_read(folder, model, rng):
+    plan = plan_for(folder, model, 600)
+    first = rng.integers(0, 128, size=6).tolist()
+    more = rng.integers(0, 128, size=3).tolist()
+    with Engine(plan, model, progress=False) as engine:
+        out = engine.generate(first, max_new_tokens=1, conversation="c1")
+        warm = engine.generate(first + out.tokens + more, max_new_tokens=1, conversation="c1", return_logits=True)
+        assert warm.reused_tokens == len(first)
+        cold = engine.generate(first + out.tokens + more, max_new_tokens=1, return_logits=True)
+        assert cold.reused_tokens == 0
+    assert np.array_equal(warm.logits, cold.logits)
+
+
+def test_bad_requests_are_refused_and_the_engine_stays_usable(folder, model, rng):
+    plan = plan_for(folder, model, 600, chunk_tokens=64, kv_pages=6)
+    prompt = rng.integers(0, 128, size=5).tolist()
+    with Engine(plan, model, progress=False) as engine:
+        with pytest.raises(StratumError, match="outside the vocabulary"):
+            engine.generate([1, 999])
+        with pytest.raises(StratumError, match="exceed the 80 positions"):
+            engine.generate(prompt, max_new_tokens=100)
+        with pytest.raises(StratumError, match="empty"):
+            engine.generate([])
+        cancelled = engine.stream(prompt, max_new_tokens=5, conversation="c")
+        next(cancelled)
+        cancelled.close()
+        out = engine.generate(prompt, max_new_tokens=1, conversation="c", return_logits=True)
+    assert out.reused_tokens == len(prompt) - 1
+    want = reference.forward(model, prompt)[-1]
+    assert out.tokens == [int(np.argmax(want))]
+
+
+def test_a_plan_for_another_model_is_refused(folder, model, tmp_path):
+    other = write_model(tmp_path / "other.gguf", "qwen3moe", seed=6, n_trunk=1, n_expert=4)
+    with pytest.raises(StratumError, match="this plan was made for model"):
+        Engine(plan_for(folder, model, 600), other, progress=False)
+
+
+@pytest.mark.gpu
+def test_gpu_five_plans_decode_conversations_and_allocation(tmp_path, rng):
+    """On the H200, a glm4moe of 512-wide blocks with Q8_0 weights and q8_0 K/V under five plans (64, 28, 7
+    and 1 of 64 experts cached; prefill rings of 2, 3 and 6 slots; chunks of 256, 128 and 64; a K/V ring of
+    10 pages): device allocations equal to each plan, prompt and decode logits bitwise equal across plans,
+    greedy tokens the reference's over 20 captured steps (the cache refreshes at step 16), and a reused
+    conversation bitwise a cold read."""
+    model = write_model(tmp_path / "mid.gguf", "glm4moe", seed=7, n_trunk=3, n_embd=512, n_head=8, n_head_kv=2,
+                        head_dim=64, n_rot=32, n_ff=1024, n_ff_exp=256, n_expert=32, n_expert_used=4,
+                        n_vocab=4096, types={"experts": "q8_0", "dense": "q8_0"})
+    settings = [(60000, {}), (40000, {}), (30000, {}), (32000, {"ring_slots": 3}),
+                (28000, {"chunk_tokens": 64, "kv_pages": 10, "ring_slots": 6})]
+    plans = [solve(write_profile(tmp_path, vram), model, context=1024, kv="q8_0", page_tokens=16, pins=pins)
+             for vram, pins in settings]
+    prompt = rng.integers(0, 4096, size=100).tolist()
+    results = []
+    for plan in plans:
+        counting = CountingAllocations(pytest.MonkeyPatch())
+        with Engine(plan, model, progress=False) as engine:
+            results.append(engine.generate(prompt, max_new_tokens=20, return_logits=True))
+            assert counting.bytes == [plan.device_bytes(0)]
+            if plan is plans[1]:
+                more = rng.integers(0, 4096, size=5).tolist()
+                follow = prompt + results[-1].tokens + more
+                engine.generate(prompt, max_new_tokens=1, conversation="c")
+                warm = engine.generate(follow, max_new_tokens=1, conversation="c", return_logits=True)
+                cold = engine.generate(follow, max_new_tokens=1, return_logits=True)
+                assert warm.reused_tokens == len(prompt) and np.array_equal(warm.logits, cold.logits)
+                assert engine.stats()["experts_refreshed"] > 0
+    want = reference.forward(model, prompt + results[0].tokens[:-1], kv_type="q8_0")[len(prompt) - 1:]
+    assert results[0].tokens == [int(np.argmax(row)) for row in want]
+    for other in results[1:]:
+        assert other.tokens == results[0].tokens
+        assert np.array_equal(other.logits, results[0].logits)
