@@ -21,11 +21,10 @@ def parse_ids(text: str) -> list:
 
 
 def run(args) -> None:
-    plan = load_plan(args.plan)
+    plan, prompt = load_plan(args.plan), parse_ids(args.prompt_ids)
     with Engine(plan, args.model, progress=not args.quiet, seed=args.seed) as engine:
         stop = set(args.stop_ids or ())
-        for token in engine.stream(parse_ids(args.prompt_ids), args.max_new_tokens, args.temperature,
-                                   stop_ids=stop):
+        for token in engine.stream(prompt, args.max_new_tokens, args.temperature, stop_ids=stop):
             print(token, end=" ", flush=True)
         print()
         _print_stats(engine.stats())

@@ -172,3 +172,14 @@ def test_gpu_five_plans_decode_conversations_and_allocation(tmp_path, rng):
     for other in results[1:]:
         assert other.tokens == results[0].tokens
         assert np.array_equal(other.logits, results[0].logits)
+
+
+def test_stratum_run_refuses_bad_input_in_one_line(folder, model, tmp_path, capsys):
+    from planner.cli import main
+    plan_path = tmp_path / "plan.yaml"
+    plan_for(folder, model, 600).save(plan_path)
+    other = write_model(tmp_path / "other.gguf", "qwen3moe", seed=8, n_trunk=1, n_expert=4)
+    assert main(["run", "--plan", str(plan_path), "--model", str(model), "--prompt-ids", "1,x"]) == 2
+    assert "--prompt-ids takes token ids" in capsys.readouterr().err
+    assert main(["run", "--plan", str(plan_path), "--model", str(other), "--prompt-ids", "1,2"]) == 2
+    assert "this plan was made for model" in capsys.readouterr().err
