@@ -5,6 +5,7 @@
   read_bandwidth_bytes_per_s(): a grid-stride kernel summing 4 GiB of device memory with 16-byte-per-thread
       unrolled 32-bit loads (DEVICE.md measured 3.68 TB/s on the H200 this way);
   pinned_copy_bytes_per_s(), zero_copy_read_bytes_per_s(): the host links, copied and read in place;
+  graph_seconds(): kernels timed as a replayed CUDA graph;
   fp32_peak_flops(): kernels of independent FMA chains in registers (2 FLOPs per FMA), the best shape;
   fp32_datasheet_flops(): SMs x 128 lanes x 2 x clock, what the datasheet's 67 TFLOP/s means.
 """
@@ -13,7 +14,7 @@ import subprocess
 
 import numpy as np
 
-from codegen.lower.cuda import cuda
+from codegen.lower.cuda import CapturedGraph, cuda
 
 READ_BYTES = 4 << 30
 FMA_STEPS = 2048
@@ -74,6 +75,24 @@ def read_bandwidth_bytes_per_s() -> float:
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
     seconds = time_s(lambda: _read_kernel[sms * 8, 512](words, out))
     return READ_BYTES / seconds
+
+
+def graph_seconds(enqueues, repeats: int = 10) -> float:
+    """Seconds per item of `enqueues` (each enqueue(stream) launches kernels), all captured into one CUDA graph
+    (as the runtime replays a decode step: a figure is the kernels plus ~1 us a node, not Python's launch cost)
+    and the graph replayed `repeats` times."""
+    stream = cuda.stream()
+
+    def enqueue_all(on):
+        for enqueue in enqueues:
+            enqueue(on)
+    enqueue_all(stream)         # compile and load every kernel before capturing
+    stream.synchronize()
+    graph = CapturedGraph(enqueue_all, stream)
+    try:
+        return time_s(lambda: graph.replay(cuda.default_stream()), repeats, warmup=2) / len(enqueues)
+    finally:
+        graph.close()
 
 
 def pinned_copy_bytes_per_s(nbytes: int = 1 << 30) -> float:

@@ -30,10 +30,9 @@ import math
 import sys
 
 import numpy as np
-from cuda.bindings import driver
 from gguf.constants import GGMLQuantizationType as T
 
-from benchmarks.ceilings import fp32_peak_flops, read_bandwidth_bytes_per_s, time_s
+from benchmarks.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_bytes_per_s
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import attention as att
 from codegen.lower import kv_pages
@@ -58,34 +57,6 @@ FLOPS_PER_HEAD_TOKEN = 2 * (QWEN3_30B["dk"] + QWEN3_30B["dv"])
 
 # ---------------------------------------------------------------------------------------------------------
 # timing, tables
-
-
-def _checked(result):
-    err, *rest = result
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver call failed: {err}")
-    return rest[0] if len(rest) == 1 else rest
-
-
-def graph_seconds(enqueues, repeats: int = 10) -> float:
-    """Seconds per item of `enqueues` (each enqueue(stream) launches kernels), all captured into one CUDA graph
-    and the graph replayed `repeats` times."""
-    stream = cuda.stream()
-    for enqueue in enqueues:        # compile and load every kernel before capturing
-        enqueue(stream)
-    stream.synchronize()
-    handle = driver.CUstream(int(stream.handle))
-    _checked(driver.cuStreamBeginCapture(handle, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
-    for enqueue in enqueues:
-        enqueue(stream)
-    graph = _checked(driver.cuStreamEndCapture(handle))
-    executable = _checked(driver.cuGraphInstantiate(graph, 0))
-    try:
-        seconds = time_s(lambda: _checked(driver.cuGraphLaunch(executable, driver.CUstream(0))), repeats, warmup=2)
-    finally:
-        _checked(driver.cuGraphExecDestroy(executable))
-        _checked(driver.cuGraphDestroy(graph))
-    return seconds / len(enqueues)
 
 
 def print_table(title: str, header: list, rows: list) -> None:

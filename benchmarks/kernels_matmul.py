@@ -24,10 +24,9 @@ simulator a numpy version of the same fragment so CI still runs every kernel.
 import sys
 
 import numpy as np
-from cuda.bindings import driver
 from gguf.constants import GGMLQuantizationType as T
 
-from benchmarks.ceilings import fp32_peak_flops, read_bandwidth_bytes_per_s, time_s
+from benchmarks.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_bytes_per_s
 from codegen.graph import moe_groups_length
 from codegen.lower import matmul, moe, weights
 from codegen.lower.cuda import cuda, device_name
@@ -47,30 +46,9 @@ CHECK_ROWS = 64                 # output columns (decode) / rows (prefill) check
 # timing and data
 
 
-def _ok(result):
-    err, *rest = result
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver call failed: {err}")
-    return rest[0] if len(rest) == 1 else rest
-
-
-def graph_seconds(enqueue, count: int, repeats: int = 10) -> float:
-    """Seconds per launch: enqueue(stream, i) for i < count captured into one CUDA graph, replayed."""
-    stream = cuda.stream()
-    for i in range(count):          # compile and load every kernel before capturing
-        enqueue(stream, i)
-    stream.synchronize()
-    handle = driver.CUstream(int(stream.handle))
-    _ok(driver.cuStreamBeginCapture(handle, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
-    for i in range(count):
-        enqueue(stream, i)
-    graph = _ok(driver.cuStreamEndCapture(handle))
-    executable = _ok(driver.cuGraphInstantiate(graph, 0))
-    try:
-        return time_s(lambda: _ok(driver.cuGraphLaunch(executable, driver.CUstream(0))), repeats) / count
-    finally:
-        _ok(driver.cuGraphExecDestroy(executable))
-        _ok(driver.cuGraphDestroy(graph))
+def launches(enqueue, count: int) -> list:
+    """enqueue(stream, i) for i < count, as the list `graph_seconds` captures (launch i reads copy i)."""
+    return [lambda stream, i=i: enqueue(stream, i) for i in range(count)]
 
 
 def random_packed(rng, ggml_type, shape) -> weights.PackedWeight:
@@ -245,7 +223,7 @@ def decode_versions(rng, bandwidth):
     nbytes = packed.nbytes + 4 * (n_in + n_out)
     rows = []
     for name, change, run in versions:
-        seconds = graph_seconds(lambda s, i: run(s, device[i % copies]), max(copies, MIN_LAUNCHES))
+        seconds = graph_seconds(launches(lambda s, i: run(s, device[i % copies]), max(copies, MIN_LAUNCHES)))
         run(0, device[0])
         err = rel_err(out.copy_to_host()[:, check], ref)
         rows.append((name, change, f"{seconds * 1e6:.1f}", f"{nbytes / seconds / 1e9:.0f}",
@@ -355,7 +333,7 @@ def prefill_versions(rng, peak):
     flops = 2.0 * rows * n_in * n_out
     table_rows = []
     for name, change, run in versions:
-        seconds = graph_seconds(lambda s, i: run(s), 1, repeats=5)
+        seconds = graph_seconds(launches(lambda s, i: run(s), 1), repeats=5)
         run(0)
         err = rel_err(out.copy_to_host()[check], ref)
         table_rows.append((name, change, f"{seconds * 1e3:.2f}", f"{flops / seconds / 1e12:.1f}",
@@ -383,8 +361,8 @@ def decode_table(rng, bandwidth):
             for window in (1, 8):
                 x = cuda.to_device(rng.standard_normal((window, n_in), dtype=np.float32))
                 out = cuda.device_array((window, n_out), np.float32)
-                seconds = graph_seconds(lambda s, i: launch(s, x, device[i % copies], placeholder, out),
-                                        max(copies, MIN_LAUNCHES))
+                seconds = graph_seconds(launches(lambda s, i: launch(s, x, device[i % copies], placeholder, out),
+                                        max(copies, MIN_LAUNCHES)))
                 nbytes = packed.nbytes + 4 * window * (n_in + n_out)
                 err = rel_err(out.copy_to_host()[:, check], x.copy_to_host().astype(np.float64) @ reference_rows.T)
                 figures.append((seconds, nbytes, err))
@@ -413,8 +391,8 @@ def decode_sweep(rng, bandwidth):
         for tg, nr, unroll in [(t, n, u) for t in (32, 64, 128, 256) for n in (2, 4) for u in (1, 2)]:
             shape = chosen._replace(tg=tg, groups=256 // tg, nr=nr, unroll=unroll)
             launch = matmul.decode_kernel(T.Q8_0, n_in, False, False, shape)
-            seconds = graph_seconds(lambda s, i: launch(s, x, *device[i % copies], *device[i % copies],
-                                                        placeholder, out), max(copies, MIN_LAUNCHES))
+            seconds = graph_seconds(launches(lambda s, i: launch(s, x, *device[i % copies], *device[i % copies],
+                                                        placeholder, out), max(copies, MIN_LAUNCHES)))
             rows.append((f"{n_out} x {n_in}", tg, nr, unroll, f"{seconds * 1e6:.1f}",
                          f"{packed.nbytes / seconds / bandwidth:.0%}", "chosen" if shape == chosen else ""))
     table("Decode matmul sweep, Q8_0, one token", ["n_out x n_in", "lanes per row", "rows per group",
@@ -467,9 +445,9 @@ def moe_decode_step(rng, bandwidth, sweep=False):
         make_groups(0, ids[i], groups[i])
     per_expert = (gate.nbytes + up.nbytes + down.nbytes) // n_expert
     nbytes = k * per_expert + 4 * (e_dim * 2 + k * f_dim * 2)
-    step = graph_seconds(lambda s, i: [part(s, i) for part in parts.values()], steps)
-    rows = [(name, f"{graph_seconds(part, steps) * 1e6:.1f}") for name, part in parts.items()]
-    host_rows = [(name, f"{graph_seconds(part, steps) * 1e6:.1f}") for name, part in host_parts.items()]
+    step = graph_seconds(launches(lambda s, i: [part(s, i) for part in parts.values()], steps))
+    rows = [(name, f"{graph_seconds(launches(part, steps)) * 1e6:.1f}") for name, part in parts.items()]
+    host_rows = [(name, f"{graph_seconds(launches(part, steps)) * 1e6:.1f}") for name, part in host_parts.items()]
     for part in parts.values():
         part(0, 0)
     chosen = order[:k]
@@ -496,14 +474,14 @@ def moe_decode_step(rng, bandwidth, sweep=False):
             shape = swiglu_base._replace(tg=tg, groups=256 // tg, nr=nr)
             if nr <= 4:
                 kernel = moe.decode_swiglu(T.Q8_0, e_dim, f_dim, n_expert, k, shape)
-                seconds = graph_seconds(lambda s, i: kernel(s, x, groups[i], slot_of, *matmul.words(dg),
+                seconds = graph_seconds(launches(lambda s, i: kernel(s, x, groups[i], slot_of, *matmul.words(dg),
                                                             *matmul.words(du), *matmul.words(dg),
-                                                            *matmul.words(du), act), steps)
+                                                            *matmul.words(du), act), steps))
                 rows.append(("gate/up", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == swiglu_base else ""))
             shape = down_base._replace(tg=tg, groups=256 // tg, nr=nr)
             kernel = moe.decode_down(T.Q8_0, f_dim, e_dim, n_expert, k, shape)
-            seconds = graph_seconds(lambda s, i: kernel(s, act, groups[i], route_w, slot_of, *matmul.words(dd),
-                                                        *matmul.words(dd), out), steps)
+            seconds = graph_seconds(launches(lambda s, i: kernel(s, act, groups[i], route_w, slot_of,
+                                                                 *matmul.words(dd), *matmul.words(dd), out), steps))
             rows.append(("down", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == down_base else ""))
     table("MoE decode kernels' sweep (one token)", ["kernel", "lanes per row", "rows per group", "us", ""], rows)
 
@@ -520,7 +498,7 @@ def prefill_table(rng, peak, theoretical):
             for chunk in CHUNKS:
                 x = cuda.to_device(rng.standard_normal((chunk, n_in), dtype=np.float32))
                 out = cuda.device_array((chunk, n_out), np.float32)
-                seconds = graph_seconds(lambda s, i: launch(s, x, w, placeholder, out), 2, repeats=5)
+                seconds = graph_seconds(launches(lambda s, i: launch(s, x, w, placeholder, out), 2), repeats=5)
                 check = np.r_[0:CHECK_ROWS // 2, chunk - CHECK_ROWS // 2:chunk]
                 err = rel_err(out.copy_to_host()[check], x.copy_to_host()[check].astype(np.float64) @ dense.T)
                 flops = 2.0 * chunk * n_in * n_out

@@ -55,8 +55,8 @@ def main():
     decode_s = (generate_s - prefill_s) / (out.shape[1] - ids.shape[1] - 1)
     print(f"transformers {__import__('transformers').__version__}, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()}: Qwen3-MoE {args.layers} blocks bf16")
-    print(f"prefill {args.prompt_tokens / prefill_s:.1f} tok/s ({args.prompt_tokens} tokens), decode {1 / decode_s:.2f} "
-          f"tok/s ({args.new_tokens} new)")
+    print(f"prefill {args.prompt_tokens / prefill_s:.1f} tok/s ({args.prompt_tokens} tokens), "
+          f"decode {1 / decode_s:.2f} tok/s ({args.new_tokens} new)")
 
 
 if __name__ == "__main__":
