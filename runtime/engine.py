@@ -33,7 +33,7 @@ from planner.kv import parse_kv_type
 from planner.layout import table_sizes
 from planner.model import load_model
 from runtime.arena import DeviceArena
-from runtime.experts import MATRICES, ExpertStore
+from runtime.experts import MATRICES, REFRESH_STEPS, ExpertStore
 from runtime.progress import Progress
 
 
@@ -60,9 +60,12 @@ class _Totals:
 
 
 class Engine:
-    def __init__(self, plan, model, progress: bool = True, seed: int | None = None, tensors=None):
+    def __init__(self, plan, model, progress: bool = True, seed: int | None = None, tensors=None,
+                 refresh_steps: int = REFRESH_STEPS):
         """model: the GGUF file the plan was made for (or a model card, with `tensors`); tensors: (name,
-        PackedWeight) pairs to load instead of the file's data (benchmarks build weights in memory)."""
+        PackedWeight) pairs to load instead of the file's data (benchmarks build weights in memory);
+        refresh_steps: decode steps between expert-cache refreshes."""
+        self.refresh_steps = refresh_steps
         started = time.perf_counter()
         self.progress = Progress(progress)
         self.model = load_model(model)
@@ -87,6 +90,7 @@ class Engine:
         self.programs, self.decode_graph = {}, None
         self.moe_blocks = self.experts.blocks
         self.decode_ids = cuda.pinned_array((len(self.moe_blocks), 1, self.hp.n_expert_used), np.int32)
+        self.staging = cuda.pinned_array((2, self.chunk_tokens), np.int32)
         self.kv_owner = None            # (conversation, prompt tokens whose K/V the ring holds)
         self.totals = _Totals()
         self._warm_up()
@@ -132,7 +136,8 @@ class Engine:
     def _load_weights(self, tensors) -> None:
         moe_blocks = [b for b in range(self.hp.n_trunk) if self.hp.is_moe_layer(b)]
         self.experts = ExpertStore(self.arena, self.tables, moe_blocks, self._expert_shapes(),
-                                   self.knobs["expert_cache_slots"][0], self.knobs["prefill_ring_slots"])
+                                   self.knobs["expert_cache_slots"][0], self.knobs["prefill_ring_slots"],
+                                   self.refresh_steps)
         dense = self.arena.carver("dense")
         self.weights = {}
         total = sum(t.n_bytes for t in self.model.tensors if self.model.tensor_class[t.name] in ("dense", "expert"))
@@ -186,9 +191,13 @@ class Engine:
         return self.programs[key]
 
     def _inputs(self, program, token_ids, start: int) -> None:
-        program.tensors["token_ids"].copy_to_device(np.asarray(token_ids, np.int32), stream=self.compute)
-        positions = np.arange(start, start + len(token_ids), dtype=np.int32)
-        program.tensors["positions"].copy_to_device(positions, stream=self.compute)
+        """A pass's token ids and positions, copied from pinned staging (an asynchronous copy: every pass
+        ends in a host sync, so the staging is free again before the next pass writes it)."""
+        n = len(token_ids)
+        self.staging[0, :n] = token_ids
+        self.staging[1, :n] = np.arange(start, start + n, dtype=np.int32)
+        program.tensors["token_ids"].copy_to_device(self.staging[0, :n], stream=self.compute)
+        program.tensors["positions"].copy_to_device(self.staging[1, :n], stream=self.compute)
 
     def _prefill(self, token_ids, start: int) -> np.ndarray:
         """Read positions start.. in chunks of the plan's size; the last position's logits."""
@@ -240,8 +249,7 @@ class Engine:
             self.decode_graph.replay(self.compute)
         greedy = program.tensors["argmax"].copy_to_host(stream=self.compute)
         self.compute.synchronize()
-        for index, block in enumerate(self.moe_blocks):
-            self.experts.record_decode(block, self.decode_ids[index])
+        self.experts.record_decode(self.decode_ids)
         self.experts.after_decode_step(self.compute)
         return int(greedy[0]), program.tensors["logits"]
 
@@ -260,6 +268,7 @@ class Engine:
             if prompt[:len(prefix)] == list(prefix):
                 reused = min(len(prefix), len(prompt) - 1)
         called = time.perf_counter()
+        self.experts.settle(self.compute)
         row = self._prefill(prompt[reused:], reused)
         if conversation is not None:
             self.kv_owner = (conversation, tuple(prompt))

@@ -11,15 +11,16 @@ compute. A batch computes every expert in an id range [lo, hi), and the kernels 
 ascending id: logits never depend on the ring's size or the cache's (DESIGN.md invariant 2).
 
 Decode: the cache starts with each block's lowest ids and is refreshed every `REFRESH_STEPS` steps to the
-experts routed most often so far (the plan's `frequency` policy); refreshes are ordered on the compute stream
-between steps, so a replayed step never reads a slot while it is rewritten.
+experts routed most often so far (the plan's `frequency` policy), off the critical path: a swapped expert is
+read from the host copy until its copy (on the copy stream) is done, so a step never reads a slot while it is
+rewritten, and never waits for one.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from codegen.lower.cuda import cuda, mapped_device_view
+from codegen.lower.cuda import cuda, event_done, mapped_device_view
 from codegen.lower.weights import DeviceWeight, packed_layout
 from planner.errors import StratumError
 
@@ -34,7 +35,6 @@ class ExpertStats:
     decode_hits: int = 0            # ... of them from a VRAM slot
     streamed_bytes: int = 0         # copied host -> ring by prefill
     refreshed_experts: int = 0      # loaded into the cache by refreshes
-    per_block_counts: dict = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -42,9 +42,11 @@ class ExpertStats:
 
 
 class ExpertStore:
-    def __init__(self, arena, tables: dict, moe_blocks: list, shapes: dict, cache_slots: int, ring_slots: int):
+    def __init__(self, arena, tables: dict, moe_blocks: list, shapes: dict, cache_slots: int, ring_slots: int,
+                 refresh_steps: int = REFRESH_STEPS):
         """shapes: matrix -> (ggml type, (n_expert, rows, cols)), the same in every block (checked by the
         caller); tables: name -> int32 device table (`planner.layout.table_sizes`)."""
+        self.refresh_steps = refresh_steps
         self.blocks = list(moe_blocks)
         self.shapes = shapes
         self.n_expert = shapes[MATRICES[0]][1][0]
@@ -64,11 +66,17 @@ class ExpertStore:
         self.mapped = []        # the host copy's mapped arrays (device views of them are in self.host)
         self.decode_tables = {b: tables[f"blk.{b}.decode_slots"] for b in self.blocks}
         self.prefill_tables = {b: tables[f"blk.{b}.prefill_slots"] for b in self.blocks}
-        self.counts = {b: np.zeros(self.n_expert, np.int64) for b in self.blocks}
+        self.counts = np.zeros((len(self.blocks), self.n_expert), np.int64)    # decode's routings so far
+        self.cached = np.zeros((len(self.blocks), self.n_expert), bool)        # a host mirror of `resident`
+        for i, block in enumerate(self.blocks):
+            self.cached[i, list(self.resident[block])] = True
         self.stats = ExpertStats()
         self.copy_stream = cuda.stream()
         self.ring_free = [None, None]       # events: the compute stream is done with ring half 0 / 1
         self.steps_since_refresh = 0
+        self.pending = None         # event: a refresh's copies are done
+        self.incoming = []          # (block index, block, experts) a pending refresh is copying in
+        self.table_staging = cuda.pinned_array((len(self.blocks), self.n_expert), np.int32)
 
     # ---------------------------------------------------------------------------------------------------
     # start
@@ -171,25 +179,37 @@ class ExpertStore:
     # ---------------------------------------------------------------------------------------------------
     # decode
 
-    def record_decode(self, block: int, ids: np.ndarray) -> None:
-        """Count a decode step's routed experts of one block (the frequency policy's input) and its hits."""
-        np.add.at(self.counts[block], ids.ravel(), 1)
-        resident = self.resident[block]
-        self.stats.decode_reads += ids.size
-        self.stats.decode_hits += sum(int(e) in resident for e in ids.ravel())
+    def record_decode(self, ids: np.ndarray) -> None:
+        """Count a decode step's routed experts, ids (blocks, rows, k) in `blocks` order: the frequency
+        policy's input, and the hit rate."""
+        flat = ids.reshape(len(self.blocks), -1)
+        rows = np.arange(len(self.blocks))[:, None]
+        np.add.at(self.counts, (rows, flat), 1)
+        self.stats.decode_reads += flat.size
+        self.stats.decode_hits += int(self.cached[rows, flat].sum())
 
     def after_decode_step(self, compute) -> None:
+        """Between steps: finish a refresh whose copies are done, or start one every `refresh_steps` steps."""
         self.steps_since_refresh += 1
-        if self.needs_host and self.steps_since_refresh >= REFRESH_STEPS:
+        if self.pending is not None and event_done(self.pending):
+            self._publish(compute)
+        if self.needs_host and self.pending is None and self.steps_since_refresh >= self.refresh_steps:
             self.refresh(compute)
             self.steps_since_refresh = 0
 
+    def settle(self, compute) -> None:
+        """Wait for a refresh's copies and publish them (before prefill reads the cache as resident)."""
+        if self.pending is not None:
+            self.pending.synchronize()
+            self._publish(compute)
+
     def refresh(self, compute) -> None:
         """Swap cached experts for more often routed ones (an incoming expert must have been routed more
-        often than the one it replaces). Ordered on the compute stream: first the swapped experts' table
-        entries point at the host copy, then the copies, then the entries point at the new slots."""
-        for block in self.blocks:
-            resident, counts = self.resident[block], self.counts[block]
+        often than the one it replaces), off the critical path: the swapped experts' table entries point at
+        the host copy at once (ordered on the compute stream), the copies run on the copy stream while decode
+        goes on, and the entries point at the new slots once the copies are done (`after_decode_step`)."""
+        for index, block in enumerate(self.blocks):
+            resident, counts = self.resident[block], self.counts[index]
             order = sorted(range(self.n_expert), key=lambda e: (-counts[e], e))
             wanted = order[:len(resident)]
             incoming = [e for e in wanted if e not in resident]
@@ -197,17 +217,37 @@ class ExpertStore:
             swaps = [(i, o) for i, o in zip(incoming, outgoing) if counts[i] > counts[o]]
             if not swaps:
                 continue
-            table = self.decode_table(block)
-            for _incoming, out in swaps:
-                table[out] = -1
-            self.decode_tables[block].copy_to_device(table, stream=compute)
             for expert, out in swaps:
-                slot = resident.pop(out)
+                resident[expert] = resident.pop(out)
+                self.cached[index, out] = False
+            table = self.decode_table(block)
+            table[[expert for expert, _out in swaps]] = -1       # not copied yet: read from the host copy
+            self._write_table(index, table, compute)
+            self.incoming.append((index, block, [expert for expert, _out in swaps]))
+        if not self.incoming:
+            return
+        tables_written = cuda.event()
+        tables_written.record(compute)
+        tables_written.wait(self.copy_stream)
+        for _index, block, experts in self.incoming:
+            for expert in experts:
                 for matrix in MATRICES:
-                    self._copy_in(self.host[block][matrix], expert, 1, matrix, slot, compute)
-                resident[expert] = slot
-            self.decode_tables[block].copy_to_device(self.decode_table(block), stream=compute)
-            self.stats.refreshed_experts += len(swaps)
+                    self._copy_in(self.host[block][matrix], expert, 1, matrix, self.resident[block][expert],
+                                  self.copy_stream)
+                self.stats.refreshed_experts += 1
+        self.pending = cuda.event()
+        self.pending.record(self.copy_stream)
+
+    def _publish(self, compute) -> None:
+        for index, block, experts in self.incoming:
+            self._write_table(index, self.decode_table(block), compute)
+            self.cached[index, experts] = True
+        self.incoming, self.pending = [], None
+
+    def _write_table(self, index: int, table: np.ndarray, compute) -> None:
+        """A block's decode table, from pinned staging (a pageable copy would wait for the stream)."""
+        self.table_staging[index] = table
+        self.decode_tables[self.blocks[index]].copy_to_device(self.table_staging[index], stream=compute)
 
 
 def _runs(experts: list) -> list:

@@ -15,6 +15,7 @@ from planner.search import solve
 from runtime import reference
 from runtime.engine import Engine
 from runtime.synthetic import write_model
+from tests.passes import PassRunner
 
 CONTEXT = 256
 
@@ -69,35 +70,49 @@ class CountingAllocations:
 
 
 def test_device_allocation_is_the_plan_and_greedy_tokens_are_the_references(folder, model, monkeypatch, rng):
-    """One prompt and one decode step, with part of the experts only in the host copy."""
+    """A prompt and three decode steps, half the experts only in the host copy, the cache refreshed after
+    every step (the third step reads experts the first refresh copied in)."""
     plan = plan_for(folder, model, 600)
     assert plan.knobs["expert_cache_slots"][0] == 4      # half the experts live only in the host copy
     counting = CountingAllocations(monkeypatch)
     prompt = rng.integers(0, 128, size=7).tolist()
-    with Engine(plan, model, progress=False) as engine:
-        out = engine.generate(prompt, max_new_tokens=2, return_logits=True)
+    with Engine(plan, model, progress=False, refresh_steps=1) as engine:
+        out = engine.generate(prompt, max_new_tokens=4, return_logits=True)
+        assert engine.stats()["experts_refreshed"] > 0
     assert counting.bytes == [plan.device_bytes(0)]
-    want = reference.forward(model, prompt + out.tokens[:1])[len(prompt) - 1:]
+    want = reference.forward(model, prompt + out.tokens[:-1])[len(prompt) - 1:]
     assert out.tokens == [int(np.argmax(row)) for row in want]
     assert np.linalg.norm(out.logits - want) / np.linalg.norm(want) < 1e-4
 
 
-def test_prompt_logits_are_bitwise_the_same_for_every_plan(folder, model, rng):
-    """Five plans: every expert cached (chunks of 128); none cached (chunks of 64 from here on); 2 of 8 with a
-    3-slot ring; 4 with a 5-slot ring and a K/V ring of 6 pages; 6. (The GPU test reads prompts in several
-    chunks; chunk invariance is also each kernel's and each pass's own test.)"""
-    plans = [plan_for(folder, model, 800), plan_for(folder, model, 500), plan_for(folder, model, 550, ring_slots=3),
-             plan_for(folder, model, 600, chunk_tokens=64, ring_slots=5, kv_pages=6), plan_for(folder, model, 650)]
+# Five plans: every expert cached (chunks of 128); none cached (chunks of 64 from here on); 2 of 8 with a 3-slot
+# ring; 4 with a 5-slot ring and a K/V ring of 6 pages; 6. (The GPU test reads prompts in several chunks; chunk
+# invariance is also each kernel's and each pass's own test.)
+FIVE_PLANS = [(800, {}), (500, {}), (550, {"ring_slots": 3}),
+              (600, {"chunk_tokens": 64, "ring_slots": 5, "kv_pages": 6}), (650, {})]
+
+
+def test_the_five_plans_differ(folder, model):
+    plans = [plan_for(folder, model, vram, **pins) for vram, pins in FIVE_PLANS]
     layouts = {(p.knobs["chunk_tokens"], p.knobs["kv_pages"], p.knobs["prefill_ring_slots"],
                 p.knobs["expert_cache_slots"][0]) for p in plans}
     assert len(layouts) == 5, layouts
-    prompt = rng.integers(0, 128, size=12).tolist()
-    results = []
-    for plan in plans:
-        with Engine(plan, model, progress=False) as engine:
-            results.append(engine.generate(prompt, max_new_tokens=1, return_logits=True))
-    for other in results[1:]:
-        assert np.array_equal(other.logits, results[0].logits)
+
+
+@pytest.fixture(scope="module")
+def plain_pass(model):
+    """(prompt, logits) from the lowered kernels with every expert in place and a plain page table
+    (tests/passes.py): what every plan's engine must give, bitwise."""
+    prompt = np.random.default_rng(12).integers(0, 128, size=12).tolist()
+    return prompt, PassRunner(model, kv="f32", page_tokens=16).prefill(prompt, chunk=len(prompt))[-1]
+
+
+@pytest.mark.parametrize("vram, pins", FIVE_PLANS, ids=["all-cached", "none-cached", "ring-3", "ring-5-kv-6", "six"])
+def test_prompt_logits_are_bitwise_the_same_for_every_plan(folder, model, plain_pass, vram, pins):
+    prompt, want = plain_pass
+    with Engine(plan_for(folder, model, vram, **pins), model, progress=False) as engine:
+        out = engine.generate(prompt, max_new_tokens=1, return_logits=True)
+    assert np.array_equal(out.logits[0], want)
 
 
 def test_a_reused_conversation_gives_the_logits_of_a_cold_read(folder, model, rng):

@@ -92,6 +92,11 @@ def mapped_device_view(array):
     return view
 
 
+def event_done(event) -> bool:
+    """Whether the work before a recorded event has finished (the simulator runs everything at once)."""
+    return True if SIMULATOR else event.query()
+
+
 class CapturedGraph:
     """Work enqueued on a stream by `enqueue(stream)`, captured once as a CUDA graph and replayed with one
     launch (about 1 us a node against tens of us a Python launch). Kernels must already be compiled (run
@@ -133,4 +138,4 @@ class CapturedGraph:
 
 
 __all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
-           "mapped_device_view"]
+           "mapped_device_view", "event_done"]
