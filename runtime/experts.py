@@ -48,7 +48,6 @@ class ExpertStore:
         caller); tables: name -> int32 device table (`planner.layout.table_sizes`)."""
         self.refresh_steps = refresh_steps
         self.blocks = list(moe_blocks)
-        self.shapes = shapes
         self.n_expert = shapes[MATRICES[0]][1][0]
         per_block, extra = divmod(cache_slots, max(1, len(self.blocks)))
         counts = [min(self.n_expert, per_block + (i < extra)) for i in range(len(self.blocks))]
@@ -67,7 +66,8 @@ class ExpertStore:
         self.decode_tables = {b: tables[f"blk.{b}.decode_slots"] for b in self.blocks}
         self.prefill_tables = {b: tables[f"blk.{b}.prefill_slots"] for b in self.blocks}
         self.counts = np.zeros((len(self.blocks), self.n_expert), np.int64)    # decode's routings so far
-        self.cached = np.zeros((len(self.blocks), self.n_expert), bool)        # a host mirror of `resident`
+        # what a decode step reads from a slot: `resident`, less the experts a pending refresh copies in
+        self.cached = np.zeros((len(self.blocks), self.n_expert), bool)
         for i, block in enumerate(self.blocks):
             self.cached[i, list(self.resident[block])] = True
         self.stats = ExpertStats()
