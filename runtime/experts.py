@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codegen.lower.cuda import cuda, event_done, mapped_device_view
+from codegen.lower.cuda import cuda, event_done, mapped_device_view, mapped_host_view
 from codegen.lower.weights import DeviceWeight, packed_layout
 from planner.errors import StratumError
 
@@ -62,7 +62,9 @@ class ExpertStore:
         self.resident = {b: {e: int(starts[i]) + e for e in range(counts[i])} for i, b in enumerate(self.blocks)}
         self.needs_host = any(c < self.n_expert for c in counts)
         self.host = {}
-        self.mapped = []        # the host copy's mapped arrays (device views of them are in self.host)
+        # the host copy: (block, matrix) -> its mapped arrays (data, scales or None), the sources of copies
+        # into slots (pinned host memory: DMA at the link's rate); kernels read device views of them (self.host)
+        self.host_arrays = {}
         self.decode_tables = {b: tables[f"blk.{b}.decode_slots"] for b in self.blocks}
         self.prefill_tables = {b: tables[f"blk.{b}.prefill_slots"] for b in self.blocks}
         self.counts = np.zeros((len(self.blocks), self.n_expert), np.int64)    # decode's routings so far
@@ -90,19 +92,14 @@ class ExpertStore:
                 self._slot(matrix, slot, 1).scales.copy_to_device(packed.scales[expert:expert + 1])
         if self.needs_host:
             (data_shape, dtype), scales_shape = packed_layout(packed.ggml_type, packed.shape)
-            data = self._pinned(data_shape, dtype, packed.data)
-            if scales_shape:
-                scales = self._pinned(scales_shape, np.float16, packed.scales)
-            else:
-                scales = data.reshape(-1)[:1].view(np.float16)
-            self.host.setdefault(block, {})[matrix] = DeviceWeight(packed.ggml_type, packed.shape, data, scales)
-
-    def _pinned(self, shape, dtype, values):
-        """Mapped pinned host memory holding `values`, as a device view (kept alive with its host array)."""
-        mapped = cuda.mapped_array(shape, dtype)
-        mapped[...] = values
-        self.mapped.append(mapped)
-        return mapped_device_view(mapped)
+            data = _mapped(data_shape, dtype, packed.data)
+            scales = _mapped(scales_shape, np.float16, packed.scales) if scales_shape else None
+            host_scales = None if scales is None else mapped_host_view(scales)
+            self.host_arrays[block, matrix] = mapped_host_view(data), host_scales
+            data_view = mapped_device_view(data)
+            scales_view = mapped_device_view(scales) if scales_shape else data_view.reshape(-1)[:1].view(np.float16)
+            self.host.setdefault(block, {})[matrix] = DeviceWeight(packed.ggml_type, packed.shape, data_view,
+                                                                   scales_view)
 
     def write_decode_tables(self, stream=0) -> None:
         for block in self.blocks:
@@ -159,7 +156,7 @@ class ExpertStore:
                 for first, count in _runs(group):
                     slot = base + group.index(first)
                     for matrix in MATRICES:
-                        self._copy_in(self.host[block][matrix], first, count, matrix, slot, self.copy_stream)
+                        self._copy_in(block, matrix, first, count, slot, self.copy_stream)
                 copied = cuda.event()
                 copied.record(self.copy_stream)
                 copied.wait(compute)
@@ -168,12 +165,15 @@ class ExpertStore:
             done.record(compute)
             self.ring_free[j % 2] = done
 
-    def _copy_in(self, host: DeviceWeight, first: int, count: int, matrix: str, slot: int, stream) -> None:
+    def _copy_in(self, block: int, matrix: str, first: int, count: int, slot: int, stream) -> None:
+        """Experts first..first + count - 1 of a block's matrix from the host copy into slots slot.. (a
+        host-to-device copy from pinned memory, asynchronous on `stream`)."""
+        data, scales = self.host_arrays[block, matrix]
         into = self._slot(matrix, slot, count)
-        into.data.copy_to_device(host.data[first:first + count], stream=stream)
+        into.data.copy_to_device(data[first:first + count], stream=stream)
         self.stats.streamed_bytes += into.data.nbytes
-        if into.scales.ndim > 1:
-            into.scales.copy_to_device(host.scales[first:first + count], stream=stream)
+        if scales is not None:
+            into.scales.copy_to_device(scales[first:first + count], stream=stream)
             self.stats.streamed_bytes += into.scales.nbytes
 
     # ---------------------------------------------------------------------------------------------------
@@ -232,8 +232,7 @@ class ExpertStore:
         for _index, block, experts in self.incoming:
             for expert in experts:
                 for matrix in MATRICES:
-                    self._copy_in(self.host[block][matrix], expert, 1, matrix, self.resident[block][expert],
-                                  self.copy_stream)
+                    self._copy_in(block, matrix, expert, 1, self.resident[block][expert], self.copy_stream)
                 self.stats.refreshed_experts += 1
         self.pending = cuda.event()
         self.pending.record(self.copy_stream)
@@ -248,6 +247,13 @@ class ExpertStore:
         """A block's decode table, from pinned staging (a pageable copy would wait for the stream)."""
         self.table_staging[index] = table
         self.decode_tables[self.blocks[index]].copy_to_device(self.table_staging[index], stream=compute)
+
+
+def _mapped(shape, dtype, values):
+    """Mapped pinned host memory (page-locked, readable by kernels in place) holding `values`."""
+    mapped = cuda.mapped_array(shape, dtype)
+    mapped[...] = values
+    return mapped
 
 
 def _runs(experts: list) -> list:

@@ -92,6 +92,13 @@ def mapped_device_view(array):
     return view
 
 
+def mapped_host_view(array):
+    """A mapped host array as plain numpy memory, the source of a host-to-device copy (page-locked: an
+    asynchronous DMA at the link's rate). numba would copy from a mapped array itself device to device,
+    and fails on its slices; the simulator's arrays are returned as they are."""
+    return np.ndarray.view(array, np.ndarray) if isinstance(array, np.ndarray) else array
+
+
 def event_done(event) -> bool:
     """Whether the work before a recorded event has finished (the simulator runs everything at once)."""
     return True if SIMULATOR else event.query()
@@ -138,4 +145,4 @@ class CapturedGraph:
 
 
 __all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
-           "mapped_device_view", "event_done"]
+           "mapped_device_view", "mapped_host_view", "event_done"]
