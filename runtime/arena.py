@@ -11,7 +11,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower.cuda import SIMULATOR, cuda
-from codegen.lower.weights import DeviceWeight, PackedWeight, packed_layout
+from codegen.lower.weights import DeviceWeight, PackedWeight, packed_layout, placeholder_scales
 from codegen.memory import ARENA_ALIGNMENT_BYTES
 from planner.errors import StratumError
 from planner.units import format_bytes
@@ -54,7 +54,7 @@ class Carver:
         """Room for a packed weight of numpy `shape`: its data span, then its scales span."""
         (data_shape, dtype), scales_shape = packed_layout(ggml_type, shape)
         data = self.array(data_shape, dtype)
-        scales = self.array(scales_shape, np.float16) if scales_shape else data.reshape(-1)[:1].view(np.float16)
+        scales = self.array(scales_shape, np.float16) if scales_shape else placeholder_scales(data)
         return DeviceWeight(T(ggml_type), tuple(shape), data, scales)
 
     def weight(self, packed: PackedWeight, stream=0) -> DeviceWeight:
@@ -65,7 +65,7 @@ class Carver:
         data = span[:data_bytes].view(packed.data.dtype).reshape(packed.data.shape)
         data.copy_to_device(packed.data, stream=stream)
         if packed.scales is None:
-            scales = span[:2].view(np.float16)
+            scales = placeholder_scales(data)
         else:
             scales = span[data_bytes:].view(np.float16).reshape(packed.scales.shape)
             scales.copy_to_device(packed.scales, stream=stream)

@@ -82,13 +82,13 @@ class Engine:
         self.chunk_tokens = self.knobs["chunk_tokens"]
         self.max_tokens = self.knobs["kv_resident_tokens"]
         self.rng = np.random.default_rng(seed)
+        self.moe_blocks = [b for b in range(self.hp.n_trunk) if self.hp.is_moe_layer(b)]
         self.arena = DeviceArena(plan)
         self.compute = cuda.stream()
         self._carve_tables(settings["context_tokens"])
         self._carve_kv()
         self._load_weights(tensors)
         self.programs, self.decode_graph = {}, None
-        self.moe_blocks = self.experts.blocks
         self.decode_ids = cuda.pinned_array((len(self.moe_blocks), 1, self.hp.n_expert_used), np.int32)
         self.staging = cuda.pinned_array((2, self.chunk_tokens), np.int32)
         self.kv_owner = None            # (conversation, prompt tokens whose K/V the ring holds)
@@ -102,10 +102,9 @@ class Engine:
     def _carve_tables(self, context_tokens: int) -> None:
         page_tokens = self.knobs["page_tokens"]
         self.full_pages = -(-context_tokens // page_tokens)
-        moe_blocks = [b for b in range(self.hp.n_trunk) if self.hp.is_moe_layer(b)]
         carver = self.arena.carver("tables")
         self.tables = {name: carver.array((size // 4,), np.int32)
-                       for name, size in table_sizes(self.full_pages, self.hp.n_expert, moe_blocks).items()}
+                       for name, size in table_sizes(self.full_pages, self.hp.n_expert, self.moe_blocks).items()}
         # page p lives in slot p mod pages: a fixed table, written once
         ring = np.arange(self.full_pages, dtype=np.int32) % self.knobs["kv_pages"]
         self.tables["page_table"].copy_to_device(ring)
@@ -134,8 +133,7 @@ class Engine:
         return shapes
 
     def _load_weights(self, tensors) -> None:
-        moe_blocks = [b for b in range(self.hp.n_trunk) if self.hp.is_moe_layer(b)]
-        self.experts = ExpertStore(self.arena, self.tables, moe_blocks, self._expert_shapes(),
+        self.experts = ExpertStore(self.arena, self.tables, self.moe_blocks, self._expert_shapes(),
                                    self.knobs["expert_cache_slots"][0], self.knobs["prefill_ring_slots"],
                                    self.refresh_steps)
         dense = self.arena.carver("dense")
@@ -152,7 +150,7 @@ class Engine:
             else:
                 continue        # the drafter's tensors: speculative decoding is not run yet
             self.progress.advance(packed.nbytes)
-        for block in moe_blocks:
+        for block in self.moe_blocks:
             for matrix in MATRICES:
                 self.weights[f"blk.{block}.{matrix}.weight"] = self.experts.slots[matrix]
         self.experts.write_decode_tables()
@@ -176,8 +174,14 @@ class Engine:
     # passes
 
     def _program(self, kind: str, tokens: int):
+        """The lowered pass (lowering builds graphs and views, no device memory), kept for the decode step, a
+        full chunk and the latest shorter chunk: a prompt's last chunk has any length, and a long-running
+        engine would otherwise keep a program for every length it has seen."""
         key = (kind, tokens)
         if key not in self.programs:
+            if kind == "prefill" and tokens != self.chunk_tokens:
+                for old in [k for k in self.programs if k[0] == "prefill" and k[1] != self.chunk_tokens]:
+                    del self.programs[old]
             graph, arena_bytes, offsets = arena_layout(self.model, kind, tokens, self.kv)
             region = self.arena.regions["arena"]
             if arena_bytes > region.bytes:

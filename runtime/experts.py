@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from codegen.lower.cuda import cuda, event_done, mapped_device_view, mapped_host_view
-from codegen.lower.weights import DeviceWeight, packed_layout
+from codegen.lower.weights import DeviceWeight, packed_layout, placeholder_scales
 from planner.errors import StratumError
 
 MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -97,7 +97,7 @@ class ExpertStore:
             host_scales = None if scales is None else mapped_host_view(scales)
             self.host_arrays[block, matrix] = mapped_host_view(data), host_scales
             data_view = mapped_device_view(data)
-            scales_view = mapped_device_view(scales) if scales_shape else data_view.reshape(-1)[:1].view(np.float16)
+            scales_view = mapped_device_view(scales) if scales_shape else placeholder_scales(data_view)
             self.host.setdefault(block, {})[matrix] = DeviceWeight(packed.ggml_type, packed.shape, data_view,
                                                                    scales_view)
 

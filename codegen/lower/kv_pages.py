@@ -25,6 +25,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower.cuda import bits_to_f32, cuda, f32_to_bits, roundf
+from codegen.lower.weights import placeholder_scales
 from planner.errors import StratumError
 from planner.kv import KVType, parse_kv_type, row_bytes
 
@@ -122,10 +123,10 @@ class KVPages:
         region), bytes as the planner counts them: scales a type lacks are a view of its data, not carved."""
         k_data = array_at(self.k_data.shape, self.k_data.dtype)
         k_scales = array_at(self.k_scales.shape, self.k_scales.dtype) if self.kv.k_type in QUANTIZED else \
-            k_data.reshape(-1)[:1].view(np.float16).reshape(1, -1)[:, :1]
+            placeholder_scales(k_data).reshape(1, 1)
         v_data = array_at(self.v_data.shape, self.v_data.dtype)
         v_scales = array_at(self.v_scales.shape, self.v_scales.dtype) if self.kv.v_type in QUANTIZED else \
-            v_data.reshape(-1)[:1].view(np.float16).reshape(1, -1)[:, :1]
+            placeholder_scales(v_data).reshape(1, 1)
         return replace(self, k_data=k_data, k_scales=k_scales, v_data=v_data, v_scales=v_scales)
 
 

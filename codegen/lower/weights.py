@@ -122,6 +122,12 @@ def packed_layout(ggml_type, shape: tuple) -> tuple:
     return ((*shape[:-1], shape[-1] // 2), np.dtype(np.uint8)), scales
 
 
+def placeholder_scales(data):
+    """The `scales` a type without scales passes (kernels take the same arguments for every type): one
+    float16 view of the data's first bytes, never read; it allocates nothing."""
+    return data.reshape(-1)[:1].view(np.float16)[:1]
+
+
 @dataclass(frozen=True)
 class DeviceWeight:
     """A packed weight on the device; what every matmul kernel takes. `scales` is a one-element placeholder
