@@ -17,6 +17,8 @@ weights take less time to build); an emulated card's usable VRAM shrinks in the 
 """
 
 import argparse
+import cProfile
+import pstats
 import tempfile
 import time
 from pathlib import Path
@@ -78,7 +80,7 @@ def nearest(rows: list, key: str, value: int) -> dict:
     return min(rows, key=lambda row: abs(row[key] - value))
 
 
-def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, rng):
+def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, rng, host_profile=0):
     workload = Workload(prompts=((prompt_tokens, 1.0),), decode_tokens=new_tokens)
     plan = solve(profile, card, context=CONTEXT, kv="f16", workload=workload)
     model = load_model(card)
@@ -89,7 +91,14 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
         vocab = model.hparams.n_vocab
         engine.generate(rng.integers(0, vocab, size=64).tolist(), 4)         # warm the host paths
         copied = engine.experts.stats.streamed_bytes
+        profiler = cProfile.Profile() if host_profile else None
+        if profiler:
+            profiler.enable()
         out = engine.generate(rng.integers(0, vocab, size=prompt_tokens).tolist(), new_tokens)
+        if profiler:
+            profiler.disable()
+            print(f"{name}: host time of the measured request, top {host_profile} functions by own time")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(host_profile)
         stats = engine.stats()
         streamed = stats["expert_bytes_copied"] - copied
         step_s = out.decode_s / (len(out.tokens) - 1)
@@ -140,6 +149,8 @@ def main():
     parser.add_argument("--plans", nargs="+", default=["h200-141g", "rtx-5070-ti-16g", "rtx-2060-super-8g"])
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="profile the measured request's host time (cProfile) and print its top N functions")
     args = parser.parse_args()
     ceilings = {"read": read_bandwidth_bytes_per_s(), "pinned": pinned_copy_bytes_per_s(),
                 "zero_copy": zero_copy_read_bytes_per_s()}
@@ -157,7 +168,8 @@ def main():
         print(f"weights built in {time.perf_counter() - started:.0f} s")
         for name in args.plans:
             profile = name if name == "h200-141g" else emulated_profile(name, measured_links, args.layers, folder)
-            rows.append(run_plan(name, profile, card, tensors, ceilings, args.prompt_tokens, args.new_tokens, rng))
+            rows.append(run_plan(name, profile, card, tensors, ceilings, args.prompt_tokens, args.new_tokens, rng,
+                                 args.host_profile))
             cuda.current_context().deallocations.clear()
             print_table(rows[-1:])
     print()

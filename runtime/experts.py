@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codegen.lower.cuda import cuda, event_done, mapped_device_view, mapped_host_view
+from codegen.lower.cuda import copy_rows, cuda, event_done, mapped_device_view, mapped_host_view
 from codegen.lower.weights import DeviceWeight, packed_layout, placeholder_scales
 from planner.errors import StratumError
 
@@ -169,12 +169,12 @@ class ExpertStore:
         """Experts first..first + count - 1 of a block's matrix from the host copy into slots slot.. (a
         host-to-device copy from pinned memory, asynchronous on `stream`)."""
         data, scales = self.host_arrays[block, matrix]
-        into = self._slot(matrix, slot, count)
-        into.data.copy_to_device(data[first:first + count], stream=stream)
-        self.stats.streamed_bytes += into.data.nbytes
+        into = self.slots[matrix]
+        copy_rows(into.data, slot, data, first, count, stream)
+        self.stats.streamed_bytes += count * data.strides[0]
         if scales is not None:
-            into.scales.copy_to_device(scales[first:first + count], stream=stream)
-            self.stats.streamed_bytes += into.scales.nbytes
+            copy_rows(into.scales, slot, scales, first, count, stream)
+            self.stats.streamed_bytes += count * scales.strides[0]
 
     # ---------------------------------------------------------------------------------------------------
     # decode

@@ -32,7 +32,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import FAMILIES, MAX_WINDOW
-from codegen.lower.cuda import cuda
+from codegen.lower.cuda import cuda, launch_kernel
 from codegen.lower.kv_pages import (ELEMENTS_PER_WORD, QUANT_BLOCK, QUANTIZED, check_head_dims,
                                      converted_element_format, element_format, kv_types)
 from planner.errors import StratumError
@@ -513,9 +513,9 @@ def _attention_launch(family: str, kv_type_name, n_head: int, n_head_kv: int, he
         else:
             blocks = -(-rows // MAX_WINDOW) * n_head_kv
         if rows:
-            kernel[blocks, threads, stream](q, positions, page_table, _data_view(pages.k_data, kv.k_type, tuning),
-                                            pages.k_scales, _data_view(pages.v_data, kv.v_type, tuning),
-                                            pages.v_scales, out)
+            launch_kernel(kernel, blocks, threads, stream, q, positions, page_table,
+                          _data_view(pages.k_data, kv.k_type, tuning), pages.k_scales,
+                          _data_view(pages.v_data, kv.v_type, tuning), pages.v_scales, out)
     return launch
 
 
@@ -558,5 +558,5 @@ def make_attention_combine(n_head: int, head_dim_v: int):
 
     def launch(stream, partials, out):
         if partials.shape[0]:
-            kernel[partials.shape[0] * n_head, threads, stream](partials, out)
+            launch_kernel(kernel, partials.shape[0] * n_head, threads, stream, partials, out)
     return launch

@@ -6,6 +6,7 @@ runs libdevice bit casts wrongly: kernels reduce through shared memory, and bit 
 """
 
 import math
+import weakref
 
 import numpy as np
 from numba import config, cuda, float32
@@ -99,6 +100,90 @@ def mapped_host_view(array):
     return np.ndarray.view(array, np.ndarray) if isinstance(array, np.ndarray) else array
 
 
+def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
+    """kernel[griddim, blockdim, stream](*args), with what numba redoes on every call done once per device
+    array: numba types and marshals each array argument at each launch (about 12 us an array, 250 us for a
+    MoE kernel's 17), which dominated prefill's expert batches launched from Python. Arguments that are not
+    device arrays, and a kernel's first launch for its argument types (which compiles it), take numba's path."""
+    if SIMULATOR:
+        kernel[griddim, blockdim, stream](*args)
+        return
+    types, marshalled = [], []
+    for value in args:
+        entry = _marshalled_arrays.get(id(value))
+        if entry is None or entry[0]() is not value:
+            if not isinstance(value, _DeviceNDArray):
+                types.append(kernel.typeof_pyval(value))
+                marshalled.append(None)
+                continue
+            entry = _marshal_array(kernel, value)
+        types.append(entry[1])
+        marshalled.append(entry[2])
+    compiled = kernel.overloads.get(tuple(types))
+    if compiled is None:
+        kernel[griddim, blockdim, stream](*args)       # compiles for these types
+        return
+    params = []
+    for ty, value, done in zip(types, args, marshalled):
+        if done is None:
+            compiled._prepare_args(ty, value, stream, [], params)
+        else:
+            params.extend(done)
+    function = _functions.get(compiled)
+    if function is None:
+        function = _functions[compiled] = compiled._codelibrary.get_cufunc().kernel
+    config = _LaunchConfig(grid=_dims(griddim), block=_dims(blockdim), shmem_size=0)
+    _core_launch(stream or cuda.default_stream(), config, function, *params)
+
+
+def copy_rows(dst, dst_row: int, src, src_row: int, rows: int, stream) -> None:
+    """Rows src_row.. of a page-locked host array into rows dst_row.. of a device array (both C-contiguous,
+    rows of the same bytes), asynchronous on `stream`: one driver call, not numba's copy, which costs
+    ~200 us of Python a call (slicing both arrays, checking, marshalling)."""
+    row_bytes = src.strides[0]
+    if dst.strides[0] != row_bytes or not (src.flags.c_contiguous and dst.is_c_contiguous()):
+        raise ValueError(f"copy_rows needs C-contiguous arrays of equal rows ({row_bytes} and {dst.strides[0]} "
+                         "bytes)")
+    if not (0 <= src_row <= src_row + rows <= src.shape[0] and 0 <= dst_row <= dst_row + rows <= dst.shape[0]):
+        raise ValueError(f"rows {src_row}..{src_row + rows} into {dst_row}..{dst_row + rows}: outside "
+                         f"{src.shape[0]} and {dst.shape[0]} rows")
+    if SIMULATOR:
+        dst[dst_row:dst_row + rows].copy_to_device(src[src_row:src_row + rows], stream=stream)
+        return
+    from cuda.bindings import driver
+    err, = driver.cuMemcpyHtoDAsync(dst.device_ctypes_pointer.value + dst_row * row_bytes,
+                                    src.ctypes.data + src_row * row_bytes, rows * row_bytes,
+                                    driver.CUstream(int(stream.handle)))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemcpyHtoDAsync failed: {err}")
+
+
+if not SIMULATOR:
+    from cuda.core import LaunchConfig as _LaunchConfig
+    from cuda.core import launch as _core_launch
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray as _DeviceNDArray
+
+_marshalled_arrays = {}     # id(device array) -> (weak reference, numba type, kernel parameters)
+_functions = {}             # numba's compiled kernel -> the driver's function
+
+
+def _marshal_array(kernel, array) -> tuple:
+    ty = kernel.typeof_pyval(array)
+    params = []
+    any_compiled = next(iter(kernel.overloads.values()), None)
+    if any_compiled is None:        # nothing compiled yet: numba's path compiles and marshals this time
+        return lambda: None, ty, None
+    any_compiled._prepare_args(ty, array, 0, [], params)
+    key = id(array)
+    entry = _marshalled_arrays[key] = (weakref.ref(array), ty, tuple(params))
+    weakref.finalize(array, _marshalled_arrays.pop, key, None)
+    return entry
+
+
+def _dims(dims):
+    return tuple(int(d) for d in dims) if isinstance(dims, tuple) else int(dims)
+
+
 def event_done(event) -> bool:
     """Whether the work before a recorded event has finished (the simulator runs everything at once)."""
     return True if SIMULATOR else event.query()
@@ -145,4 +230,4 @@ class CapturedGraph:
 
 
 __all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
-           "mapped_device_view", "mapped_host_view", "event_done"]
+           "mapped_device_view", "mapped_host_view", "event_done", "launch_kernel", "copy_rows"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import bits_to_f32, cuda, f32_to_bits, roundf
+from codegen.lower.cuda import bits_to_f32, cuda, f32_to_bits, launch_kernel, roundf
 from codegen.lower.weights import placeholder_scales
 from planner.errors import StratumError
 from planner.kv import KVType, parse_kv_type, row_bytes
@@ -330,5 +330,6 @@ def make_kv_store(kv_type_name, n_head_kv: int, head_dim_k: int, head_dim_v: int
     def launch(stream, k, v, positions, page_table, pages):
         threads = k.shape[0] * (k_blocks + v_blocks)
         if threads:
-            kernel[-(-threads // STORE_THREADS), STORE_THREADS, stream](k, v, positions, page_table, *pages.arrays())
+            launch_kernel(kernel, -(-threads // STORE_THREADS), STORE_THREADS, stream, k, v, positions, page_table,
+                          *pages.arrays())
     return launch

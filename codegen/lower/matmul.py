@@ -23,13 +23,14 @@ prefill family (compute-bound): a 256-thread block computes a bm x 128 tile (8 x
 
 import functools
 import math
+import weakref
 from typing import NamedTuple
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower import FAMILIES, MAX_WINDOW
-from codegen.lower.cuda import SIMULATOR, bits_to_f32, cuda, f32_to_bits
+from codegen.lower.cuda import SIMULATOR, bits_to_f32, cuda, f32_to_bits, launch_kernel, mapped_device_view
 from codegen.lower.weights import KERNEL_TYPES, QUANT_BLOCK
 
 MW = MAX_WINDOW
@@ -146,8 +147,19 @@ def check(family: str, ggml_type, n_in: int, n_out: int) -> Format:
 
 
 def words(weight):
-    """(flat int32 words, flat float16 scales) of a DeviceWeight: the arrays every kernel reads."""
-    return weight.data.reshape(-1).view(np.int32), weight.scales.reshape(-1)
+    """(flat int32 words, flat float16 scales) of a DeviceWeight: the arrays every kernel reads. Made once per
+    weight: the same array objects at every launch are what lets `launch_kernel` marshal them once. A mapped
+    host array (the expert host copy) is viewed as a device array first."""
+    key = id(weight)
+    made = _words_of.get(key)
+    if made is None or made[0]() is not weight:
+        data, scales = mapped_device_view(weight.data), mapped_device_view(weight.scales)
+        made = _words_of[key] = (weakref.ref(weight), (data.reshape(-1).view(np.int32), scales.reshape(-1)))
+        weakref.finalize(weight, _words_of.pop, key, None)
+    return made[1]
+
+
+_words_of = {}      # id(DeviceWeight) -> (weak reference, its words)
 
 
 @cuda.jit(device=True, inline=True)
@@ -359,7 +371,7 @@ def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeS
                 out[r, n0 + i] = value
 
     def launch(stream, x, wa, sa, wb, sb, b, out):
-        kernel[-(-out.shape[1] // (groups * nr)), groups * tg, stream](x, wa, sa, wb, sb, b, out)
+        launch_kernel(kernel, -(-out.shape[1] // (groups * nr)), groups * tg, stream, x, wa, sa, wb, sb, b, out)
     return launch
 
 
@@ -514,7 +526,7 @@ def prefill_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, bm: int):
 
     def launch(stream, x, wa, sa, wb, sb, b, out):
         grid = (-(-out.shape[1] // cols), -(-x.shape[0] // bm))
-        kernel[grid, THREADS, stream](x, wa, sa, wb, sb, b, out)
+        launch_kernel(kernel, grid, THREADS, stream, x, wa, sa, wb, sb, b, out)
     return launch
 
 

@@ -22,12 +22,14 @@ decode family: a window's rows pick distinct experts each (top-k does), so an ex
 prefill family: each expert is a small GEMM over its gathered pairs, tiled by the prefill core; tiles are
   numbered across the experts of the launch's range lo <= e < hi (an in-block scan of the offsets maps a
   block to its expert and tile); pairs of other experts are not touched (gate/up leaves their act rows).
-  down runs k passes, pass q over the pairs whose expert has rank q among its row's k experts (ascending
-  ids), each row once per pass: rank 0 writes, later ranks add, so the weighted sum is in ascending expert
-  order, and launches over [0, a), [a, b), ..., [z, n_expert) in turn give bitwise the out of one launch over
-  [0, n_expert) (the ranges a prefill ring streams experts in). Each pass reads an expert's weights once. A
-  first kernel of the launch finds every pair's rank (one scan of the pairs list per block of rows) and keeps
-  it in the spare high bits of the pair's list entry (RANK_SHIFT..30); the launch's last kernel clears them,
+  down runs min(k, hi - lo) passes, pass q over the pairs whose expert has rank q among its row's experts in
+  the range (ascending ids), each row once per pass; the term of a row's smallest expert overall writes, every
+  other adds, so the weighted sum is in ascending expert order, and launches over [0, a), [a, b), ...,
+  [z, n_expert) in turn give bitwise the out of one launch over [0, n_expert) (the ranges a prefill ring
+  streams experts in; a one-expert range is one pass). Each pass reads an expert's weights once. A first
+  kernel of the launch finds every pair's rank and whether it adds (one scan of the pairs list per block of
+  rows) and keeps them in the spare high bits of the pair's list entry (RANK_SHIFT..30); the launch's last
+  kernel clears them,
   so the groups buffer is as it was once the launch is done. Prefill kernels mask the bits off wherever they
   read pairs; nothing else may read the pairs list while a prefill down launch is in flight.
 """
@@ -37,7 +39,7 @@ import functools
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import cuda, mapped_device_view
+from codegen.lower.cuda import cuda, launch_kernel
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, FORMATS, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
                                   check, chunk_words, decode_core, prefill_core, silu, window_rows, words)
 
@@ -122,7 +124,7 @@ def make_moe_groups(n_expert: int, k: int):
         threads = 32
         while threads < n_expert * segments:
             threads *= 2
-        kernel[1, threads, stream](ids, groups, segments, threads.bit_length() - 1)
+        launch_kernel(kernel, 1, threads, stream, ids, groups, segments, threads.bit_length() - 1)
     return launch
 
 
@@ -187,7 +189,7 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
     col_blocks = -(-n_ff // (groups * nr))
 
     def launch(stream, x, grouped, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act):
-        kernel[(col_blocks, min(n_expert, x.shape[0] * k)), groups * tg, stream](
+        launch_kernel(kernel, (col_blocks, min(n_expert, x.shape[0] * k)), groups * tg, stream,
             x, grouped, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act)
     return launch
 
@@ -267,7 +269,7 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
     blocks = -(-n_out // nr)
 
     def launch(stream, act, grouped, route_w, slot_of, dw, ds, hdw, hds, out):
-        kernel[blocks, groups * tg, stream](act, grouped, route_w, slot_of, dw, ds, hdw, hds, out)
+        launch_kernel(kernel, blocks, groups * tg, stream, act, grouped, route_w, slot_of, dw, ds, hdw, hds, out)
     return launch
 
 
@@ -316,18 +318,20 @@ def _find_tile(grouped, tile_index, lo, hi, bm, scan, found):
     return found[0], found[1]
 
 
-RANK_SHIFT = 27            # during a down launch, a pair's rank rides in bits 27..30 of its list entry
+RANK_SHIFT = 26            # during a down launch, bit 26 of a pair's list entry says it adds, 27..30 its rank
 PAIR_MASK = (1 << RANK_SHIFT) - 1
-MAX_RANKED_K = 1 << (31 - RANK_SHIFT)
+ADDS = 1 << RANK_SHIFT
+RANK_AT = RANK_SHIFT + 1
+MAX_RANKED_K = 1 << (31 - RANK_AT)
 RANK_PAIRS = 8192          # pairs of the rows a rank block owns: their experts sit in shared memory (int16)
 
 
 @functools.cache
 def rank_kernels(n_expert: int, k: int):
-    """(rank, unrank, rows per rank block): rank[ceil(rows / that), THREADS](groups, n_pairs) sets bits
-    RANK_SHIFT.. of each pair's list entry to the pair's rank among its row's k experts (ascending ids; a
-    repeated expert, which top-k never gives, ranks by slot); unrank[ceil(n_pairs / 64), 64](groups, n_pairs)
-    clears them. A rank block owns RANK_PAIRS // k rows: one scan of the list finds the expert of each of
+    """(rank, unrank, rows per rank block): rank[ceil(rows / that), THREADS](groups, n_pairs, lo) sets bits
+    RANK_AT.. of each pair's list entry to the pair's rank among its row's experts e >= lo (ascending ids; a
+    repeated expert, which top-k never gives, ranks by slot), and bit RANK_SHIFT (ADDS) when the row has a
+    smaller expert; unrank[ceil(n_pairs / 64), 64](groups, n_pairs) clears them. A rank block owns RANK_PAIRS // k rows: one scan of the list finds the expert of each of
     their pairs (a binary search of the offsets), a second writes the ranks."""
     if not 0 < k <= MAX_RANKED_K:
         raise ValueError(f"top {k} experts: the prefill down projection ranks at most {MAX_RANKED_K} per row")
@@ -336,7 +340,7 @@ def rank_kernels(n_expert: int, k: int):
     last = n_expert - 1
 
     @cuda.jit
-    def rank(grouped, n_pairs):
+    def rank(grouped, n_pairs, lo):
         expert_of = cuda.shared.array(RANK_PAIRS, np.int16)
         offsets = cuda.shared.array(n_offsets, np.int32)
         t = cuda.threadIdx.x & IDX
@@ -364,11 +368,14 @@ def rank_kernels(n_expert: int, k: int):
                 j = i % k
                 mine = expert_of[i]
                 r = 0
+                adds = 0
                 for m in range(k):
                     other = expert_of[i - j + m]
                     if other < mine or (other == mine and m < j):
-                        r += 1
-                grouped[pairs_at + pos] = p | (r << RANK_SHIFT)
+                        adds = ADDS
+                        if other >= lo:
+                            r += 1
+                grouped[pairs_at + pos] = p | adds | (r << RANK_AT)
 
     @cuda.jit
     def unrank(grouped, n_pairs):
@@ -388,7 +395,8 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
     gate/up (down False; rank -1, route_w unused): the expert's pairs in list order, x rows pair // k, tile
       rows 0..63 gate and 64..127 up for the same 64 columns; out (act) row pair = silu(gate) * up.
     down (rank q; the entries carry ranks, `rank_kernels`): the expert's pairs of rank q, numbered in list
-      order, x (act) rows pair; out row pair // k = route_w * dot (q = 0) or out + route_w * dot (q > 0)."""
+      order, x (act) rows pair; out row pair // k = route_w * dot, or out + route_w * dot for a pair marked
+      ADDS."""
     bm = PREFILL_BM
     tile = prefill_core(ggml_type, n_in, bm)
     tm = bm // 16
@@ -416,7 +424,7 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
             q0, q1 = t * per_thread, min(count, (t + 1) * per_thread)
             mine = 0
             for q in range(q0, q1):
-                if grouped[pairs_at + first + q] >> RANK_SHIFT == rank:
+                if grouped[pairs_at + first + q] >> RANK_AT == rank:
                     mine += 1
             if t < bm:
                 pairs[t] = -1
@@ -427,16 +435,16 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
             number = scan[t] - mine
             for q in range(q0, q1):
                 entry = grouped[pairs_at + first + q]
-                if entry >> RANK_SHIFT == rank:
+                if entry >> RANK_AT == rank:
                     if tile_no * bm <= number < (tile_no + 1) * bm:
-                        pairs[number - tile_no * bm] = entry & PAIR_MASK
+                        pairs[number - tile_no * bm] = entry & (PAIR_MASK | ADDS)
                     number += 1
         elif t < bm:
             q = tile_no * bm + t
             pairs[t] = grouped[pairs_at + first + q] & PAIR_MASK if q < count else -1
         cuda.syncthreads()
         if t < bm:
-            xrows[t] = pairs[t] if down or pairs[t] < 0 else pairs[t] // k
+            xrows[t] = -1 if pairs[t] < 0 else (pairs[t] & PAIR_MASK if down else pairs[t] // k)
         cuda.syncthreads()
         n0 = (cuda.blockIdx.x & BIDX) * cols
         base, a_words, a_scales, b_words, b_scales = _source(slot_of, e, n_cols, wa, sa, wb, sb,
@@ -449,13 +457,15 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
         for i in range(tm):
             p = pairs[(i // 4) * (bm // (tm // 4)) + ty * 4 + i % 4]
             if p >= 0:
+                adds = p & ADDS
+                p = p & PAIR_MASK
                 weight = route_w[p // k, p % k] if down else np.float32(0)
                 for j in range(8 if down else 4):
                     n = n0 + (j // 4) * (BN // 2) + tx * 4 + j % 4
                     if n < n_cols:
                         if not down:
                             out[p, n] = silu(acc[i, j]) * acc[i, j + 4]
-                        elif rank == 0:
+                        elif adds == 0:
                             out[p // k, n] = weight * acc[i, j]
                         else:
                             out[p // k, n] = out[p // k, n] + weight * acc[i, j]
@@ -483,14 +493,6 @@ def _range(family: str, n_expert: int, lo, hi) -> tuple:
     return int(lo), int(hi)
 
 
-def _words(weight):
-    """(words, scales) of a DeviceWeight (`matmul.words`) whose arrays are device arrays or mapped host memory."""
-    data, scales = mapped_device_view(weight.data), mapped_device_view(weight.scales)
-    if data is not weight.data or scales is not weight.scales:
-        weight = type(weight)(weight.ggml_type, weight.shape, data, scales)
-    return words(weight)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # factories
 
@@ -508,7 +510,7 @@ def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_exper
             _range(family, n_expert, lo, hi)
             shape = decode_swiglu_shape(ggml_type, n_in, window_rows(x))
             decode_swiglu(T(ggml_type), n_in, n_ff, n_expert, k, shape)(
-                stream, x, grouped, slot_of, *_words(gate), *_words(up), *_words(host_gate), *_words(host_up),
+                stream, x, grouped, slot_of, *words(gate), *words(up), *words(host_gate), *words(host_up),
                 act)
         return launch
     kernel, col_tiles = prefill_kernel(T(ggml_type), n_in, n_ff, n_expert, k, False)
@@ -517,8 +519,8 @@ def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_exper
         lo, hi = _range(family, n_expert, lo, hi)
         tiles = _max_tiles(x.shape[0], k, hi - lo)
         if tiles:
-            kernel[(col_tiles, tiles), THREADS, stream](
-                x, grouped, x, slot_of, *_words(gate), *_words(up), *_words(host_gate), *_words(host_up), act,
+            launch_kernel(kernel, (col_tiles, tiles), THREADS, stream,
+                x, grouped, x, slot_of, *words(gate), *words(up), *words(host_gate), *words(host_up), act,
                 -1, lo, hi)     # x: no route_w
     return launch
 
@@ -537,7 +539,7 @@ def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert
             _range(family, n_expert, lo, hi)
             shape = decode_down_shape(ggml_type, n_ff, window_rows(route_w))
             decode_down(T(ggml_type), n_ff, n_out, n_expert, k, shape)(
-                stream, act, grouped, route_w, slot_of, *_words(down), *_words(host_down), out)
+                stream, act, grouped, route_w, slot_of, *words(down), *words(host_down), out)
         return launch
     kernel, col_tiles = prefill_kernel(T(ggml_type), n_ff, n_out, n_expert, k, True)
     rank_pairs, unrank_pairs, rank_rows = rank_kernels(n_expert, k)
@@ -550,11 +552,11 @@ def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert
             return
         if n_pairs > PAIR_MASK:
             raise ValueError(f"{rows} rows x top {k}: the prefill down projection takes at most {PAIR_MASK} pairs")
-        dw, ds = _words(down)
-        hw, hs = _words(host_down)
-        rank_pairs[-(-rows // rank_rows), THREADS, stream](grouped, n_pairs)
-        for q in range(k):      # pass q adds each row's q-th smallest expert's term: ascending id order
-            kernel[(col_tiles, tiles), THREADS, stream](act, grouped, route_w, slot_of, dw, ds, dw, ds, hw, hs, hw,
-                                                        hs, out, q, lo, hi)
-        unrank_pairs[-(-n_pairs // 64), 64, stream](grouped, n_pairs)
+        dw, ds = words(down)
+        hw, hs = words(host_down)
+        launch_kernel(rank_pairs, -(-rows // rank_rows), THREADS, stream, grouped, n_pairs, lo)
+        for q in range(min(k, hi - lo)):    # pass q: each row's q-th smallest expert in the range, ascending
+            launch_kernel(kernel, (col_tiles, tiles), THREADS, stream, act, grouped, route_w, slot_of, dw, ds, dw,
+                          ds, hw, hs, hw, hs, out, q, lo, hi)
+        launch_kernel(unrank_pairs, -(-n_pairs // 64), 64, stream, grouped, n_pairs)
     return launch

@@ -14,7 +14,7 @@ import math
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import bits_to_f32, cuda
+from codegen.lower.cuda import bits_to_f32, cuda, launch_kernel
 from codegen.lower.weights import QUANT_BLOCK
 
 WARP = 32
@@ -50,7 +50,7 @@ def _check_router(n_expert: int, k: int, gating: str) -> None:
 def _per_row(kernel, threads: int, blocks_per_row: int = 1):
     """launch(stream, *arrays): `kernel` over `blocks_per_row` blocks for each row of the first array."""
     def launch(stream, *arrays):
-        kernel[arrays[0].shape[0] * blocks_per_row, threads, stream](*arrays)
+        launch_kernel(kernel, arrays[0].shape[0] * blocks_per_row, threads, stream, *arrays)
     return launch
 
 
@@ -189,7 +189,7 @@ def make_embed(ggml_type, n_embd: int):
 
     def launch(stream, ids, table, out):
         data = table.data.view(np.int32) if quantized else table.data
-        kernel[ids.shape[0], threads, stream](ids, data, table.scales, out)
+        launch_kernel(kernel, ids.shape[0], threads, stream, ids, data, table.scales, out)
     return launch
 
 
@@ -311,7 +311,8 @@ def make_add(n: int, n_addends: int):
             x[row, col] = total
 
     def launch(stream, x, *addends):
-        kernel[_elementwise_blocks(x.shape[0], n), ELEMENTWISE_THREADS, stream](x, addends[0], addends[-1])
+        launch_kernel(kernel, _elementwise_blocks(x.shape[0], n), ELEMENTWISE_THREADS, stream, x, addends[0],
+                      addends[-1])
     return launch
 
 
@@ -328,7 +329,7 @@ def make_concat(n_a: int, n_b: int):
             out[row, col] = a[row, col] if col < n_a else b[row, col - n_a]
 
     def launch(stream, a, b, out):
-        kernel[_elementwise_blocks(out.shape[0], width), ELEMENTWISE_THREADS, stream](a, b, out)
+        launch_kernel(kernel, _elementwise_blocks(out.shape[0], width), ELEMENTWISE_THREADS, stream, a, b, out)
     return launch
 
 
