@@ -331,7 +331,8 @@ def rank_kernels(n_expert: int, k: int):
     """(rank, unrank, rows per rank block): rank[ceil(rows / that), THREADS](groups, n_pairs, lo) sets bits
     RANK_AT.. of each pair's list entry to the pair's rank among its row's experts e >= lo (ascending ids; a
     repeated expert, which top-k never gives, ranks by slot), and bit RANK_SHIFT (ADDS) when the row has a
-    smaller expert; unrank[ceil(n_pairs / 64), 64](groups, n_pairs) clears them. A rank block owns RANK_PAIRS // k rows: one scan of the list finds the expert of each of
+    smaller expert; unrank[ceil(n_pairs / 64), 64](groups, n_pairs) clears them. A rank block owns
+    RANK_PAIRS // k rows: one scan of the list finds the expert of each of
     their pairs (a binary search of the offsets), a second writes the ranks."""
     if not 0 < k <= MAX_RANKED_K:
         raise ValueError(f"top {k} experts: the prefill down projection ranks at most {MAX_RANKED_K} per row")
@@ -352,14 +353,14 @@ def rank_kernels(n_expert: int, k: int):
         for pos in range(t, n_pairs, THREADS):
             p = grouped[pairs_at + pos] & PAIR_MASK
             if p0 <= p < p1:
-                lo, hi = 0, last            # the last expert whose pairs start at or before pos
-                while lo < hi:
-                    mid = (lo + hi + 1) >> 1
+                below, above = 0, last      # the last expert whose pairs start at or before pos
+                while below < above:
+                    mid = (below + above + 1) >> 1
                     if offsets[mid] <= pos:
-                        lo = mid
+                        below = mid
                     else:
-                        hi = mid - 1
-                expert_of[p - p0] = lo
+                        above = mid - 1
+                expert_of[p - p0] = below
         cuda.syncthreads()
         for pos in range(t, n_pairs, THREADS):
             p = grouped[pairs_at + pos] & PAIR_MASK
