@@ -6,6 +6,7 @@
       unrolled 32-bit loads (DEVICE.md measured 3.68 TB/s on the H200 this way);
   pinned_copy_bytes_per_s(), zero_copy_read_bytes_per_s(): the host links, copied and read in place;
   graph_seconds(): kernels timed as a replayed CUDA graph;
+  kernel_launch_s(): host time to issue one kernel from Python (`launch_kernel`);
   fp32_peak_flops(): kernels of independent FMA chains in registers (2 FLOPs per FMA), the best shape;
   fp32_datasheet_flops(): SMs x 128 lanes x 2 x clock, what the datasheet's 67 TFLOP/s means.
 """
@@ -14,7 +15,9 @@ import subprocess
 
 import numpy as np
 
-from codegen.lower.cuda import CapturedGraph, cuda
+import time
+
+from codegen.lower.cuda import CapturedGraph, cuda, launch_kernel
 
 READ_BYTES = 4 << 30
 FMA_STEPS = 2048
@@ -112,6 +115,29 @@ def zero_copy_read_bytes_per_s(nbytes: int = 1 << 30) -> float:
     return nbytes / time_s(lambda: _read_kernel[sms * 8, 512](words, out), repeats=5, warmup=1)
 
 
+@cuda.jit
+def _sixteen_arrays_kernel(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, lo, hi, q):
+    if cuda.grid(1) == 0 and lo > hi:       # never true here: the kernel only has to be launched
+        a[0] = (b[0] + c[0] + d[0] + e[0] + f[0] + g[0] + h[0] + i[0] + j[0] + k[0] + l[0] + m[0] + n[0] + o[0]
+                + p[0] + q)
+
+
+def kernel_launch_s(launches: int = 2000) -> float:
+    """Host seconds to issue one kernel from Python through `launch_kernel`, for a kernel of a prefill MoE
+    launch's size (16 device arrays, 3 integers); a profile's `kernel_launch`."""
+    arrays = [cuda.device_array(4, np.float32) for _ in range(16)]
+    stream = cuda.stream()
+    for _ in range(3):
+        launch_kernel(_sixteen_arrays_kernel, 1, 32, stream, *arrays, 0, 1, 2)
+    stream.synchronize()
+    started = time.perf_counter()
+    for q in range(launches):
+        launch_kernel(_sixteen_arrays_kernel, 1, 32, stream, *arrays, 0, 1, q)
+    seconds = (time.perf_counter() - started) / launches
+    stream.synchronize()
+    return seconds
+
+
 def fp32_peak_flops() -> float:
     """The best of a few shapes (chains per thread x threads per block): the highest FMA rate this GPU gives
     numba-compiled code."""
@@ -136,6 +162,7 @@ def main():
     print(f"device read bandwidth: {read_bandwidth_bytes_per_s() / 1e12:.2f} TB/s")
     print(f"pinned host -> device: {pinned_copy_bytes_per_s() / 1e9:.1f} GB/s; zero-copy read "
           f"{zero_copy_read_bytes_per_s() / 1e9:.1f} GB/s")
+    print(f"kernel launch from Python: {kernel_launch_s() * 1e6:.1f} us")
     print(f"FP32 peak (FMA):       {fp32_peak_flops() / 1e12:.1f} TFLOP/s measured, "
           f"{fp32_datasheet_flops() / 1e12:.1f} TFLOP/s datasheet (SMs x 128 x 2 x max SM clock)")
 

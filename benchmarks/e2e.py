@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from benchmarks.ceilings import pinned_copy_bytes_per_s, read_bandwidth_bytes_per_s, time_s, zero_copy_read_bytes_per_s
+from benchmarks.ceilings import (kernel_launch_s, pinned_copy_bytes_per_s, read_bandwidth_bytes_per_s, time_s,
+                                 zero_copy_read_bytes_per_s)
 from codegen.lower.cuda import cuda, device_name
 from planner.model import load_model
 from planner.units import parse_bytes
@@ -37,7 +38,6 @@ from runtime.engine import Engine
 from runtime.synthetic import realistic_weights
 
 CARD = "qwen3-30b-a3b-q8_0"
-LINK_FIELDS = ("host_to_device", "device_to_host", "zero_copy_read", "copy_latency", "graph_node_overhead")
 CONTEXT = 8192
 
 
@@ -153,11 +153,13 @@ def main():
                         help="profile the measured request's host time (cProfile) and print its top N functions")
     args = parser.parse_args()
     ceilings = {"read": read_bandwidth_bytes_per_s(), "pinned": pinned_copy_bytes_per_s(),
-                "zero_copy": zero_copy_read_bytes_per_s()}
+                "zero_copy": zero_copy_read_bytes_per_s(), "launch": kernel_launch_s()}
     print(f"{device_name()}: read {ceilings['read'] / 1e12:.2f} TB/s, pinned host->device "
-          f"{ceilings['pinned'] / 1e9:.1f} GB/s, zero-copy read {ceilings['zero_copy'] / 1e9:.1f} GB/s")
+          f"{ceilings['pinned'] / 1e9:.1f} GB/s, zero-copy read {ceilings['zero_copy'] / 1e9:.1f} GB/s, "
+          f"a kernel launch from Python {ceilings['launch'] * 1e6:.1f} us")
     measured_links = {"host_to_device": f"{ceilings['pinned'] / 1e9:.1f} GB/s",
-                      "zero_copy_read": f"{ceilings['zero_copy'] / 1e9:.1f} GB/s"}
+                      "zero_copy_read": f"{ceilings['zero_copy'] / 1e9:.1f} GB/s",
+                      "kernel_launch": f"{ceilings['launch'] * 1e6:.1f} us"}
     rng = np.random.default_rng(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,9 @@
   Per expert, copy time c and compute time g; a ring slot serves one expert per (latency + c + g), so D slots
   stream at max(c, (latency + c + g) / D) per expert; during a block's dense part (attention, projections)
   the copy engine idles unless it can copy the next block's experts ahead into the D - 1 other slots.
-  A chunk takes max(compute, streaming): the two run on separate engines;
+  A chunk takes max(compute, streaming, issuing): they run on separate engines and the host, which launches
+  each kernel from Python (`kernel_launch` in the profile), so a shallow ring's many small batches cost
+  launches;
 - K/V ring: the last `resident` positions are in VRAM; attention over older ones streams them over the link;
 - MTP: a round drafts n tokens and verifies 1 + n in one window, yielding 1 + a + a^2 + ... + a^n tokens.
 
@@ -180,7 +182,17 @@ class DeviceCost:
         streaming_blocks = self._blocks_streaming(cache_slots)
         stream = ((streamed_bytes + streamed_kv_bytes) / g.host_to_device_bytes_per_s
                   + streamed_count * stall_per_expert + streaming_blocks * idle_per_block)
-        return np.maximum(compute, stream)
+        return np.maximum(np.maximum(compute, stream), self._launch_s(cost.n_nodes, streamed_count, ring_slots))
+
+    def _launch_s(self, n_nodes: int, streamed_count, ring_slots):
+        """Host time to issue a chunk from Python: every node's kernel, and per ring batch (half the ring's
+        experts, ascending) its gate/up kernel, the down launch's rank kernel, one pass per expert rank in the
+        batch, the clearing kernel, and about one launch's worth of copies and events. Issuing overlaps the GPU
+        work, so it binds only when it is the longest of the three."""
+        k = self.model.hparams.n_expert_used
+        half = np.maximum(1, np.asarray(ring_slots) // 2)
+        batches = streamed_count / half + len(self.moe_blocks)
+        return (n_nodes + batches * (4 + np.minimum(k, half))) * self.gpu.kernel_launch_s
 
     def _blocks_streaming(self, cache_slots):
         """How many MoE blocks still stream at least one expert."""

@@ -26,6 +26,7 @@ _GPU_FIELDS = {
     "zero_copy_read": (parse_rate, "host_to_device"),
     "copy_latency": (parse_seconds, "10 us"),
     "graph_node_overhead": (parse_seconds, "1 us"),
+    "kernel_launch": (parse_seconds, "40 us"),
 }
 _HOST_FIELDS = {
     "ram": (parse_bytes, None),
@@ -56,6 +57,7 @@ class GPU:
     zero_copy_read_bytes_per_s: float     # a kernel reading mapped pinned host memory
     copy_latency_s: float                 # fixed cost of one async copy before bytes flow
     graph_node_overhead_s: float          # one kernel node replayed from a CUDA graph
+    kernel_launch_s: float                # host time of one kernel launch (or copy) issued from Python
 
     @property
     def usable_bytes(self) -> int:
@@ -139,7 +141,7 @@ def _parse_gpu(doc, source: str, where: str) -> GPU:
                memory_bandwidth_bytes_per_s=v["memory_bandwidth"], fp32_flops=v["fp32"], fp16_flops=v["fp16"],
                host_to_device_bytes_per_s=v["host_to_device"], device_to_host_bytes_per_s=v["device_to_host"],
                zero_copy_read_bytes_per_s=v["zero_copy_read"], copy_latency_s=v["copy_latency"],
-               graph_node_overhead_s=v["graph_node_overhead"])
+               graph_node_overhead_s=v["graph_node_overhead"], kernel_launch_s=v["kernel_launch"])
 
 
 def _parse_fields(doc: dict, fields: dict, source: str, prefix: str) -> dict:

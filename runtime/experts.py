@@ -74,7 +74,11 @@ class ExpertStore:
             self.cached[i, list(self.resident[block])] = True
         self.stats = ExpertStats()
         self.copy_stream = cuda.stream()
-        self.ring_free = [None, None]       # events: the compute stream is done with ring half 0 / 1
+        # per ring half: copies into it done (compute waits), compute done with it (the next copies wait);
+        # recorded again at each batch (a wait takes the record made before it)
+        self.ring_copied = [cuda.event(), cuda.event()]
+        self.ring_free = [cuda.event(), cuda.event()]
+        self.ring_used = [False, False]
         self.steps_since_refresh = 0
         self.pending = None         # event: a refresh's copies are done
         self.incoming = []          # (block index, block, experts) a pending refresh is copying in
@@ -149,21 +153,19 @@ class ExpertStore:
         table, batches = self.prefill_batches(block, np.unique(ids))
         self.prefill_tables[block].copy_to_device(table, stream=compute)
         for j, (lo, hi, base, group) in enumerate(batches):
+            half = j % 2
             if group:
-                free = self.ring_free[j % 2]
-                if free is not None:
-                    free.wait(self.copy_stream)
+                if self.ring_used[half]:
+                    self.ring_free[half].wait(self.copy_stream)
                 for first, count in _runs(group):
                     slot = base + group.index(first)
                     for matrix in MATRICES:
                         self._copy_in(block, matrix, first, count, slot, self.copy_stream)
-                copied = cuda.event()
-                copied.record(self.copy_stream)
-                copied.wait(compute)
+                self.ring_copied[half].record(self.copy_stream)
+                self.ring_copied[half].wait(compute)
             run_batch(lo, hi)
-            done = cuda.event()
-            done.record(compute)
-            self.ring_free[j % 2] = done
+            self.ring_free[half].record(compute)
+            self.ring_used[half] = True
 
     def _copy_in(self, block: int, matrix: str, first: int, count: int, slot: int, stream) -> None:
         """Experts first..first + count - 1 of a block's matrix from the host copy into slots slot.. (a

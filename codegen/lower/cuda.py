@@ -101,10 +101,12 @@ def mapped_host_view(array):
 
 
 def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
-    """kernel[griddim, blockdim, stream](*args), with what numba redoes on every call done once per device
-    array: numba types and marshals each array argument at each launch (about 12 us an array, 250 us for a
-    MoE kernel's 17), which dominated prefill's expert batches launched from Python. Arguments that are not
-    device arrays, and a kernel's first launch for its argument types (which compiles it), take numba's path."""
+    """kernel[griddim, blockdim, stream](*args), with what numba redoes on every call done once: numba types
+    and marshals each argument and finds the compiled kernel at each launch (about 12 us an array, 250 us for
+    a MoE kernel's 17), which dominated prefill's expert batches launched from Python. Here each device array
+    is marshalled once, scalar types are known by their Python type, and the compiled kernel is found by its
+    argument types' identities. A kernel's first launch for its argument types (which compiles it) takes
+    numba's path."""
     if SIMULATOR:
         kernel[griddim, blockdim, stream](*args)
         return
@@ -113,16 +115,22 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
         entry = _marshalled_arrays.get(id(value))
         if entry is None or entry[0]() is not value:
             if not isinstance(value, _DeviceNDArray):
-                types.append(kernel.typeof_pyval(value))
+                types.append(_scalar_type(kernel, value))
                 marshalled.append(None)
                 continue
             entry = _marshal_array(kernel, value)
         types.append(entry[1])
         marshalled.append(entry[2])
-    compiled = kernel.overloads.get(tuple(types))
-    if compiled is None:
-        kernel[griddim, blockdim, stream](*args)       # compiles for these types
-        return
+    key = (id(kernel), *map(id, types))
+    found = _compiled.get(key)
+    if found is None:
+        compiled = kernel.overloads.get(tuple(types))
+        if compiled is None:
+            kernel[griddim, blockdim, stream](*args)       # compiles for these types
+            return
+        _compiled[key] = compiled, tuple(types)         # the types kept alive: their ids stay theirs
+    else:
+        compiled = found[0]
     params = []
     for ty, value, done in zip(types, args, marshalled):
         if done is None:
@@ -132,7 +140,10 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
     function = _functions.get(compiled)
     if function is None:
         function = _functions[compiled] = compiled._codelibrary.get_cufunc().kernel
-    config = _LaunchConfig(grid=_dims(griddim), block=_dims(blockdim), shmem_size=0)
+    shape = (griddim, blockdim)
+    config = _configs.get(shape)
+    if config is None:
+        config = _configs[shape] = _LaunchConfig(grid=_dims(griddim), block=_dims(blockdim), shmem_size=0)
     _core_launch(stream or cuda.default_stream(), config, function, *params)
 
 
@@ -164,7 +175,24 @@ if not SIMULATOR:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray as _DeviceNDArray
 
 _marshalled_arrays = {}     # id(device array) -> (weak reference, numba type, kernel parameters)
+_compiled = {}              # (id(dispatcher), id(each argument's type)...) -> (compiled kernel, types)
 _functions = {}             # numba's compiled kernel -> the driver's function
+_configs = {}               # (grid, block) -> launch configuration
+_scalar_types = {}          # Python or numpy scalar type -> numba type
+
+
+def _scalar_type(kernel, value):
+    """numba's type of an argument that is not a device array: scalars' by their Python type, once (a Python
+    int is int64 below 2**63); anything else asked of numba each time."""
+    kind = type(value)
+    cacheable = (kind is float or isinstance(value, np.generic)
+                 or (kind is int and -(1 << 63) <= value < (1 << 63)))
+    ty = _scalar_types.get(kind) if cacheable else None
+    if ty is None:
+        ty = kernel.typeof_pyval(value)
+        if cacheable:
+            _scalar_types[kind] = ty
+    return ty
 
 
 def _marshal_array(kernel, array) -> tuple:
