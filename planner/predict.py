@@ -182,17 +182,22 @@ class DeviceCost:
         streaming_blocks = self._blocks_streaming(cache_slots)
         stream = ((streamed_bytes + streamed_kv_bytes) / g.host_to_device_bytes_per_s
                   + streamed_count * stall_per_expert + streaming_blocks * idle_per_block)
-        return np.maximum(np.maximum(compute, stream), self._launch_s(cost.n_nodes, streamed_count, ring_slots))
+        return np.maximum(np.maximum(compute, stream), self._launch_s(cost.n_nodes, streamed_count, cache_slots,
+                                                                       ring_slots))
 
-    def _launch_s(self, n_nodes: int, streamed_count, ring_slots):
-        """Host time to issue a chunk from Python: every node's kernel, and per ring batch (half the ring's
-        experts, ascending) its gate/up kernel, the down launch's rank kernel, one pass per expert rank in the
-        batch, the clearing kernel, and about one launch's worth of copies and events. Issuing overlaps the GPU
-        work, so it binds only when it is the longest of the three."""
+    def _launch_s(self, n_nodes: int, streamed_count, cache_slots, ring_slots):
+        """Host time to issue a chunk from Python, one `kernel_launch` a call: every node's kernel, and per
+        ring batch (half the ring's experts, ascending) its gate/up kernel, the down launch's rank kernel, one
+        pass per expert rank in the batch and the clearing kernel, two copies (data, scales) per matrix for
+        each run of consecutive expert ids (a cached expert between two streamed ones splits a run), and four
+        event calls. Issuing overlaps the GPU's work: it binds only when it is the longest."""
         k = self.model.hparams.n_expert_used
         half = np.maximum(1, np.asarray(ring_slots) // 2)
         batches = streamed_count / half + len(self.moe_blocks)
-        return (n_nodes + batches * (4 + np.minimum(k, half))) * self.gpu.kernel_launch_s
+        cached_share = np.minimum(1.0, np.asarray(cache_slots) / max(1, len(self.moe_blocks)) / self.n_expert)
+        runs = 1 + (half - 1) * cached_share
+        per_batch = 3 + np.minimum(k, half) + 6 * runs + 4
+        return (n_nodes + batches * per_batch) * self.gpu.kernel_launch_s
 
     def _blocks_streaming(self, cache_slots):
         """How many MoE blocks still stream at least one expert."""

@@ -26,7 +26,7 @@ _GPU_FIELDS = {
     "zero_copy_read": (parse_rate, "host_to_device"),
     "copy_latency": (parse_seconds, "10 us"),
     "graph_node_overhead": (parse_seconds, "1 us"),
-    "kernel_launch": (parse_seconds, "40 us"),
+    "kernel_launch": (parse_seconds, "25 us"),
 }
 _HOST_FIELDS = {
     "ram": (parse_bytes, None),

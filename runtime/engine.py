@@ -6,8 +6,9 @@
         print(engine.stats())
 
 Start: the plan's bytes as one device allocation (`runtime.arena`), carved into its regions: dense weights,
-the K/V ring (page p in slot p mod pages), expert slots and the host copy (`runtime.experts`), the activation
-arena, the tables. Then kernels compile (a warm-up prompt and step) and the decode step is captured as a CUDA
+the K/V ring (page p in slot p mod pages, and a host copy of the whole context when the ring is shorter:
+`runtime.kv_ring`), expert slots and the experts' host copy (`runtime.experts`), the activation arena, the
+tables. Then kernels compile (a warm-up prompt and step) and the decode step is captured as a CUDA
 graph. A request reads its prompt in chunks of the plan's size (each block's routed experts streamed through
 the prefill ring), then decodes step by step by replaying the graph.
 
@@ -23,7 +24,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from codegen.lower.cuda import SIMULATOR, CapturedGraph, cuda
-from codegen.lower.kv_pages import kv_arrays
 from codegen.lower.program import arena_layout, lower
 from codegen.lower.weights import iter_gguf
 from planner.architecture import tensor_layer
@@ -34,6 +34,7 @@ from planner.layout import table_sizes
 from planner.model import load_model
 from runtime.arena import DeviceArena
 from runtime.experts import MATRICES, REFRESH_STEPS, ExpertStore
+from runtime.kv_ring import KVRing
 from runtime.progress import Progress
 
 
@@ -80,13 +81,14 @@ class Engine:
         self.knobs, settings = plan.knobs, plan.settings
         self.kv = parse_kv_type(settings["kv"])
         self.chunk_tokens = self.knobs["chunk_tokens"]
-        self.max_tokens = self.knobs["kv_resident_tokens"]
+        self.max_tokens = settings["context_tokens"]
         self.rng = np.random.default_rng(seed)
         self.moe_blocks = [b for b in range(self.hp.n_trunk) if self.hp.is_moe_layer(b)]
         self.arena = DeviceArena(plan)
         self.compute = cuda.stream()
         self._carve_tables(settings["context_tokens"])
-        self._carve_kv()
+        self.kv_ring = KVRing(self.arena, self.tables["page_table"], self.kv, self.hp, self.knobs["kv_pages"],
+                              self.knobs["page_tokens"], settings["context_tokens"], self.progress)
         self._load_weights(tensors)
         self.programs, self.decode_graph = {}, None
         self.decode_ids = cuda.pinned_array((len(self.moe_blocks), 1, self.hp.n_expert_used), np.int32)
@@ -100,22 +102,10 @@ class Engine:
     # start
 
     def _carve_tables(self, context_tokens: int) -> None:
-        page_tokens = self.knobs["page_tokens"]
-        self.full_pages = -(-context_tokens // page_tokens)
+        full_pages = -(-context_tokens // self.knobs["page_tokens"])
         carver = self.arena.carver("tables")
         self.tables = {name: carver.array((size // 4,), np.int32)
-                       for name, size in table_sizes(self.full_pages, self.hp.n_expert, self.moe_blocks).items()}
-        # page p lives in slot p mod pages: a fixed table, written once
-        ring = np.arange(self.full_pages, dtype=np.int32) % self.knobs["kv_pages"]
-        self.tables["page_table"].copy_to_device(ring)
-
-    def _carve_kv(self) -> None:
-        carver = self.arena.carver("kv_ring", alignment=4)
-        hp = self.hp
-        self.kv_pages = {layer: kv_arrays(self.kv.name, self.knobs["kv_pages"], self.knobs["page_tokens"],
-                                          hp.n_head_kv, hp.head_dim_k, hp.head_dim_v).carve(carver.array)
-                         for layer in range(hp.n_trunk)}
-        self.page_tables = {layer: self.tables["page_table"] for layer in range(hp.n_trunk)}
+                       for name, size in table_sizes(full_pages, self.hp.n_expert, self.moe_blocks).items()}
 
     def _expert_shapes(self) -> dict:
         shapes = {}
@@ -190,8 +180,10 @@ class Engine:
             arena = self.arena.memory[region.offset:region.offset + arena_bytes]
             tables = self.experts.prefill_tables if kind == "prefill" else self.experts.decode_tables
             host = {block: self.experts.host_weights(block) for block in self.experts.blocks}
-            self.programs[key] = lower(graph, self.hp, self.weights, self.kv_pages, self.page_tables, arena,
-                                       offsets, expert_slots=tables, host_experts=host)
+            ring = self.kv_ring
+            page_tables = {layer: ring.page_table for layer in ring.pages}
+            self.programs[key] = lower(graph, self.hp, self.weights, ring.pages, page_tables, arena, offsets,
+                                       expert_slots=tables, host_experts=host, host_kv=ring.host)
         return self.programs[key]
 
     def _inputs(self, program, token_ids, start: int) -> None:
@@ -208,6 +200,7 @@ class Engine:
         for begin in range(0, len(token_ids), self.chunk_tokens):
             piece = token_ids[begin:begin + self.chunk_tokens]
             program = self._program("prefill", len(piece))
+            self.kv_ring.claim(start + begin, start + begin + len(piece), self.compute)
             self._inputs(program, piece, start + begin)
             self._run_prefill(program)
         logits = program.tensors["logits"].copy_to_host(stream=self.compute)
@@ -244,6 +237,7 @@ class Engine:
     def _decode_step(self, token: int, position: int) -> tuple:
         """One decode step: (greedy token, logits device array)."""
         program = self._program("decode", 1)
+        self.kv_ring.claim(position, position + 1, self.compute)
         self._inputs(program, [token], position)
         if self.decode_graph is None:
             self._enqueue_decode(self.compute)       # compiles every kernel before the capture
@@ -316,9 +310,8 @@ class Engine:
         if max_new_tokens < 1 or temperature < 0:
             raise StratumError("max_new_tokens must be >= 1 and temperature >= 0")
         if len(prompt) + max_new_tokens > self.max_tokens:
-            raise StratumError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the {self.max_tokens} "
-                               "positions this plan keeps in VRAM (kv_resident_tokens); streaming older K/V pages "
-                               "back is not built yet: plan with a larger K/V ring or ask for fewer tokens")
+            raise StratumError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the plan's context of "
+                               f"{self.max_tokens} positions: plan for a longer context or ask for fewer tokens")
 
     def _choose(self, row, temperature: float) -> int:
         """Greedy: the device's argmax (an int) or the row's; else a sample at `temperature`."""

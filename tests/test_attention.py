@@ -49,25 +49,25 @@ class Setup:
         self.k_ref = kv_round(self.k, self.kv.k_type)
         self.v_ref = kv_round(self.v, self.kv.v_type)
 
-    def store(self, positions):
+    def store(self, positions, host_pages=None):
         launch = kv_pages.make_kv_store(self.kv_name, self.n_head_kv, self.dk, self.dv, self.page_tokens)
         launch(0, cuda.to_device(self.k[positions]), cuda.to_device(self.v[positions]), cuda.to_device(positions),
-               self.d_table, self.pages)
+               self.d_table, self.pages, host_pages)
 
     def reference(self, positions):
         ctx = positions.max() + 1
         return attention(self.q[positions - self.q_from], self.k_ref[:ctx], self.v_ref[:ctx], positions, self.n_head,
                          self.n_head_kv)
 
-    def prefill(self, positions, tuning=att.TUNING):
+    def prefill(self, positions, tuning=att.TUNING, host_pages=None):
         launch = att._attention_launch("prefill", self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv,
                                        self.page_tokens, tuning)
         out = cuda.to_device(np.full((len(positions), self.n_head * self.dv), np.nan, np.float32))
         launch(0, cuda.to_device(self.q[positions - self.q_from]), cuda.to_device(positions.astype(np.int32)),
-               self.d_table, self.pages, out)
+               self.d_table, self.pages, out, host_pages)
         return out.copy_to_host()
 
-    def decode(self, positions, tuning=att.TUNING):
+    def decode(self, positions, tuning=att.TUNING, host_pages=None):
         """(partials, combined output) of one decode window at `positions`."""
         rows = len(positions)
         partials = cuda.to_device(np.full((rows, self.n_head, ATTENTION_SPLITS, self.dv + 2), np.nan, np.float32))
@@ -75,7 +75,7 @@ class Setup:
         launch = att._attention_launch("decode", self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv,
                                        self.page_tokens, tuning)
         launch(0, cuda.to_device(self.q[positions - self.q_from]), cuda.to_device(positions.astype(np.int32)),
-               self.d_table, self.pages, partials)
+               self.d_table, self.pages, partials, host_pages)
         att.make_attention_combine(self.n_head, self.dv)(0, partials, out)
         return partials.copy_to_host(), out.copy_to_host()
 
@@ -173,6 +173,40 @@ def test_prefill_matches_the_reference(rng, kv_name):
     positions = np.arange(13, 30)              # a chunk after a reused prefix, straddling pages
     got = setup.prefill(positions)
     assert _relative(got, setup.reference(positions)) < TOLERANCE
+
+
+def _mapped_zeros(shape, dtype):
+    mapped = cuda.mapped_array(shape, dtype)
+    mapped[...] = 0
+    return mapped
+
+
+@pytest.mark.parametrize("kv_name", ["f16", "k8v4"])
+def test_pages_the_table_marks_missing_are_read_from_the_host_copy(rng, kv_name):
+    """A store writes each page into its slot and, given a host copy (mapped memory, page p at index p),
+    through to it, the same bits; attention reads a page the table marks -1 from the host copy (its slot
+    filled with garbage here): prefill rows and a decode window bitwise as with every page in its slot."""
+    setup = Setup(rng, kv_name, 30)
+    want_rows, want_window = setup.prefill(np.arange(13, 30)), setup.decode(np.arange(27, 30))
+    n_pages = len(setup.table)
+    host = kv_pages.kv_arrays(kv_name, n_pages, setup.page_tokens, setup.n_head_kv, setup.dk,
+                              setup.dv).allocate(_mapped_zeros)
+    setup.store(np.arange(30), host_pages=host)
+    for name in ("k_data", "k_scales", "v_data", "v_scales"):
+        slots, copy = getattr(setup.pages, name).copy_to_host(), np.asarray(getattr(host, name))
+        if slots.shape[1] > 1:          # a float type's scales are a placeholder
+            assert np.array_equal(copy, slots[setup.table]), name
+    missing = [0, 2, 5]
+    for page in missing:
+        slot = int(setup.table[page])
+        garbage = rng.integers(-2 ** 31, 2 ** 31, (1, setup.pages.k_data.shape[1])).astype(np.int32)
+        setup.pages.k_data[slot:slot + 1].copy_to_device(garbage)
+        setup.pages.v_data[slot:slot + 1].copy_to_device(garbage[:, :setup.pages.v_data.shape[1]])
+    setup.table[missing] = -1
+    setup.d_table = cuda.to_device(setup.table)
+    assert np.array_equal(setup.prefill(np.arange(13, 30), host_pages=host), want_rows)
+    for got, want in zip(setup.decode(np.arange(27, 30), host_pages=host), want_window):
+        assert np.array_equal(got, want)
 
 
 def test_prefill_rows_are_bitwise_the_same_for_every_chunking(rng):

@@ -21,6 +21,8 @@ CONTEXT = 256
 
 
 def write_profile(folder, vram_kib: int) -> str:
+    """A small GPU whose Python issues kernels for free (kernel_launch 0): a tiny model's layout is then decided
+    by its bytes, as a real model's is, not by launches that would dwarf its microseconds of work."""
     path = folder / f"tiny-{vram_kib}.yaml"
     path.write_text(f"""name: tiny-{vram_kib}
 gpus:
@@ -32,6 +34,7 @@ gpus:
     fp16: 40 TFLOPS
     host_to_device: 10 GB/s
     device_to_host: 10 GB/s
+    kernel_launch: 0 us
 host:
   ram: 1 GiB
   pinned_budget: 512 MiB
@@ -128,14 +131,35 @@ def test_a_reused_conversation_gives_the_logits_of_a_cold_read(folder, model, rn
     assert np.array_equal(warm.logits, cold.logits)
 
 
+def test_a_request_longer_than_the_kv_ring_reads_older_pages_from_the_host_copy(folder, model, rng):
+    """110 prompt tokens and 3 decode steps on a K/V ring of 6 pages of 16 (the last step's page takes page 1's
+    slot): bitwise the logits of a ring that holds the whole context, and the reference's greedy tokens. Then the
+    conversation reused from position 110 finds page 1 in the host copy, not in the slot page 7 took: bitwise a
+    cold read."""
+    prompt = rng.integers(0, 128, size=110).tolist()
+    more = rng.integers(0, 128, size=3).tolist()
+    outs = []
+    for vram, pins in ((800, {"kv_pages": 16}), (600, {"chunk_tokens": 64, "kv_pages": 6})):
+        with Engine(plan_for(folder, model, vram, **pins), model, progress=False) as engine:
+            assert bool(engine.kv_ring.host) == (pins["kv_pages"] == 6)
+            outs.append(engine.generate(prompt, max_new_tokens=4, conversation="c", return_logits=True))
+            follow = prompt + outs[-1].tokens + more
+            warm = engine.generate(follow, max_new_tokens=1, conversation="c", return_logits=True)
+            cold = engine.generate(follow, max_new_tokens=1, return_logits=True)
+            assert warm.reused_tokens == len(prompt) and np.array_equal(warm.logits, cold.logits)
+    assert np.array_equal(outs[0].logits, outs[1].logits)
+    want = reference.forward(model, prompt + outs[1].tokens[:-1])[len(prompt) - 1:]
+    assert outs[1].tokens == [int(np.argmax(row)) for row in want]
+
+
 def test_bad_requests_are_refused_and_the_engine_stays_usable(folder, model, rng):
     plan = plan_for(folder, model, 600, chunk_tokens=64, kv_pages=6)
     prompt = rng.integers(0, 128, size=5).tolist()
     with Engine(plan, model, progress=False) as engine:
         with pytest.raises(StratumError, match="outside the vocabulary"):
             engine.generate([1, 999])
-        with pytest.raises(StratumError, match="exceed the 80 positions"):
-            engine.generate(prompt, max_new_tokens=100)
+        with pytest.raises(StratumError, match="exceed the plan's context of 256 positions"):
+            engine.generate(prompt, max_new_tokens=252)
         with pytest.raises(StratumError, match="empty"):
             engine.generate([])
         cancelled = engine.stream(prompt, max_new_tokens=5, conversation="c")

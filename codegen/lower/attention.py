@@ -34,7 +34,7 @@ from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import FAMILIES, MAX_WINDOW
 from codegen.lower.cuda import cuda, launch_kernel
 from codegen.lower.kv_pages import (ELEMENTS_PER_WORD, QUANT_BLOCK, QUANTIZED, check_head_dims,
-                                     converted_element_format, element_format, kv_types)
+                                     converted_element_format, element_format, host_arrays, kv_types)
 from planner.errors import StratumError
 
 
@@ -281,6 +281,19 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
     state_get, state_set, finish = _outputs(decode, G, dv, NT)
 
     @cuda.jit(device=True, inline=True)
+    def load_page(page_table, page, first, k_data, k_scales, v_data, v_scales, hk_data, hk_scales, hv_data,
+                  hv_scales, kv_head, tid, k_raw, k_raw_scales, v_raw, v_raw_scales):
+        """A tile of a page's K and V into registers: from its VRAM slot, or from the host copy (mapped
+        memory, read in place) when the page table says -1 (a page older than the ring keeps)."""
+        slot = page_table[page]
+        if slot >= 0:
+            load_k(k_data, k_scales, slot, kv_head, first, tid, k_raw, k_raw_scales)
+            load_v(v_data, v_scales, slot, kv_head, first, tid, v_raw, v_raw_scales)
+        else:
+            load_k(hk_data, hk_scales, page, kv_head, first, tid, k_raw, k_raw_scales)
+            load_v(hv_data, hv_scales, page, kv_head, first, tid, v_raw, v_raw_scales)
+
+    @cuda.jit(device=True, inline=True)
     def fold(out, tid, r, row, kv_head, split, v_chunk, v_heads, acc, prev, scratch, old_max, new_max, seg_sum,
              run_max, run_sum):
         """A row's tile into its running sums: subset 0 adds the other subsets' P V sums in order to its own
@@ -307,7 +320,8 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
 
 
     @cuda.jit
-    def kernel(q, positions, page_table, k_data, k_scales, v_data, v_scales, out):
+    def kernel(q, positions, page_table, k_data, k_scales, v_data, v_scales, hk_data, hk_scales, hv_data, hv_scales,
+               out):
         tid = cuda.threadIdx.x
         block = cuda.blockIdx.x
         if decode:
@@ -366,9 +380,8 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
         prev = cuda.local.array(ACC_REGS, np.float32)
 
         if n_tiles > 0:
-            slot = page_table[first_page]
-            load_k(k_data, k_scales, slot, kv_head, 0, tid, k_raw, k_raw_scales)
-            load_v(v_data, v_scales, slot, kv_head, 0, tid, v_raw, v_raw_scales)
+            load_page(page_table, first_page, 0, k_data, k_scales, v_data, v_scales, hk_data, hk_scales, hv_data,
+                      hv_scales, kv_head, tid, k_raw, k_raw_scales, v_raw, v_raw_scales)
         cuda.syncthreads()
         # phases end at a sync; a row's fold waits for the next phase (the next staging or the next scores)
         pending = False
@@ -384,10 +397,9 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
             store_k(k_raw, k_raw_scales, tid, keep, k_tile)
             store_v(v_raw, v_raw_scales, tid, keep, v_tile)
             if i + 1 < n_tiles:
-                slot = page_table[first_page + ((i + 1) // TPP) * page_step]
-                first = ((i + 1) % TPP) * T_
-                load_k(k_data, k_scales, slot, kv_head, first, tid, k_raw, k_raw_scales)
-                load_v(v_data, v_scales, slot, kv_head, first, tid, v_raw, v_raw_scales)
+                load_page(page_table, first_page + ((i + 1) // TPP) * page_step, ((i + 1) % TPP) * T_, k_data,
+                          k_scales, v_data, v_scales, hk_data, hk_scales, hv_data, hv_scales, kv_head, tid, k_raw,
+                          k_raw_scales, v_raw, v_raw_scales)
             cuda.syncthreads()
             for r in range(n_rows):
                 row = row0 + r
@@ -504,7 +516,7 @@ def _attention_launch(family: str, kv_type_name, n_head: int, n_head_kv: int, he
                                       page_tokens, n_head_kv, tuning)
     threads = shape.threads
 
-    def launch(stream, q, positions, page_table, pages, out):
+    def launch(stream, q, positions, page_table, pages, out, host_pages=None):
         rows = q.shape[0]
         if decode:
             if rows > MAX_WINDOW:
@@ -513,18 +525,23 @@ def _attention_launch(family: str, kv_type_name, n_head: int, n_head_kv: int, he
         else:
             blocks = -(-rows // MAX_WINDOW) * n_head_kv
         if rows:
+            hk_data, hk_scales, hv_data, hv_scales = host_arrays(pages, host_pages)
             launch_kernel(kernel, blocks, threads, stream, q, positions, page_table,
                           _data_view(pages.k_data, kv.k_type, tuning), pages.k_scales,
-                          _data_view(pages.v_data, kv.v_type, tuning), pages.v_scales, out)
+                          _data_view(pages.v_data, kv.v_type, tuning), pages.v_scales,
+                          _data_view(hk_data, kv.k_type, tuning), hk_scales, _data_view(hv_data, kv.v_type, tuning),
+                          hv_scales, out)
     return launch
 
 
 @functools.cache
 def make_attention(family: str, kv_type_name, n_head: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
                    page_tokens: int):
-    """prefill: launch(stream, q, positions, page_table, pages, out); decode: launch(stream, q, positions,
-    page_table, pages, partials). q f32 (rows, n_head*dk) with RoPE applied, at int32 `positions`, reads the
-    positions 0..p already stored; out f32 (rows, n_head*dv); partials f32 (rows, n_head, 64, dv + 2)."""
+    """prefill: launch(stream, q, positions, page_table, pages, out, host_pages=None); decode: launch(stream,
+    q, positions, page_table, pages, partials, host_pages=None). q f32 (rows, n_head*dk) with RoPE applied,
+    at int32 `positions`, reads the positions 0..p already stored: a page from its slot, or from `host_pages`
+    (the whole context in mapped host memory, page p at index p) when the page table says -1; out f32
+    (rows, n_head*dv); partials f32 (rows, n_head, 64, dv + 2)."""
     return _attention_launch(family, kv_type_name, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens, TUNING)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import bits_to_f32, cuda, f32_to_bits, launch_kernel, roundf
+from codegen.lower.cuda import bits_to_f32, cuda, f32_to_bits, launch_kernel, mapped_device_view, roundf
 from codegen.lower.weights import placeholder_scales
 from planner.errors import StratumError
 from planner.kv import KVType, parse_kv_type, row_bytes
@@ -131,6 +131,14 @@ class KVPages:
 
 
 _ARRAYS = ("k_data", "k_scales", "v_data", "v_scales")
+
+
+def host_arrays(pages: KVPages, host_pages: KVPages | None) -> tuple:
+    """The host copy's arrays as kernels take them (device views of mapped memory), or, with no host copy,
+    the pages' own arrays in their place (then never read: every page has a slot)."""
+    if host_pages is None:
+        return pages.arrays()
+    return tuple(mapped_device_view(a) for a in host_pages.arrays())
 
 
 def _tensor_arrays(ggml_type: T, n_slots: int, page_tokens: int, n_head_kv: int, head_dim: int):
@@ -288,29 +296,36 @@ _BLOCK_WRITERS = {T.F32: _store_f32, T.F16: _store_f16, T.Q8_0: _quantize_q8_0, 
 
 @functools.cache
 def _block_store(ggml_type: T, n_head_kv: int, head_dim: int, page_tokens: int):
-    """store(i, x, positions, page_table, data, scales): block i (row, kv head, 32 values) of x, written
-    (quantized) at its position's page."""
+    """store(i, x, positions, page_table, data, scales, host_data, host_scales, through): block i (row, kv head,
+    32 values) of x, written (quantized) into its position's page: in the slot the page table gives (none
+    when -1), and when `through`, into the host copy's page too (the same bits)."""
     ggml_type = T(ggml_type)
     blocks = head_dim // QUANT_BLOCK
     block_words = QUANT_BLOCK // ELEMENTS_PER_WORD[ggml_type]
     write = cuda.jit(device=True, inline=True)(_BLOCK_WRITERS[ggml_type])
 
     @cuda.jit(device=True, inline=True)
-    def store(i, x, positions, page_table, data, scales):
+    def store(i, x, positions, page_table, data, scales, host_data, host_scales, through):
         row = i // (n_head_kv * blocks)
         head = (i // blocks) % n_head_kv
         block = i % blocks
         pos = positions[row]
         at = ((head * page_tokens + pos % page_tokens) * blocks + block)     # the block's index in its slot
-        write(x, row, head * head_dim + block * QUANT_BLOCK, data, scales, page_table[pos // page_tokens],
-              at * block_words, at)
+        page = pos // page_tokens
+        slot = page_table[page]
+        if slot >= 0:
+            write(x, row, head * head_dim + block * QUANT_BLOCK, data, scales, slot, at * block_words, at)
+        if through:
+            write(x, row, head * head_dim + block * QUANT_BLOCK, host_data, host_scales, page, at * block_words, at)
     return store
 
 
 @functools.cache
 def make_kv_store(kv_type_name, n_head_kv: int, head_dim_k: int, head_dim_v: int, page_tokens: int):
-    """launch(stream, k, v, positions, page_table, pages): k f32 (rows, n_kv*dk) and v f32 (rows, n_kv*dv)
-    at int32 `positions` into their pages (quantized bit-exactly as gguf-py does); a thread per 32 values."""
+    """launch(stream, k, v, positions, page_table, pages, host_pages=None): k f32 (rows, n_kv*dk) and v f32
+    (rows, n_kv*dv) at int32 `positions` into their pages (quantized bit-exactly as gguf-py does): each page
+    into the slot page_table gives, and with `host_pages` (the whole context's pages, page p at index p, in
+    mapped host memory) into the host copy too; a thread per 32 values."""
     kv = kv_types(kv_type_name)
     check_head_dims(head_dim_k=head_dim_k, head_dim_v=head_dim_v)
     store_k = _block_store(kv.k_type, n_head_kv, head_dim_k, page_tokens)
@@ -319,17 +334,18 @@ def make_kv_store(kv_type_name, n_head_kv: int, head_dim_k: int, head_dim_v: int
     v_blocks = n_head_kv * head_dim_v // QUANT_BLOCK
 
     @cuda.jit
-    def kernel(k, v, positions, page_table, k_data, k_scales, v_data, v_scales):
+    def kernel(k, v, positions, page_table, k_data, k_scales, v_data, v_scales, hk_data, hk_scales, hv_data,
+               hv_scales, through):
         i = cuda.grid(1)
         n_k = k.shape[0] * k_blocks
         if i < n_k:
-            store_k(i, k, positions, page_table, k_data, k_scales)
+            store_k(i, k, positions, page_table, k_data, k_scales, hk_data, hk_scales, through)
         elif i < n_k + v.shape[0] * v_blocks:
-            store_v(i - n_k, v, positions, page_table, v_data, v_scales)
+            store_v(i - n_k, v, positions, page_table, v_data, v_scales, hv_data, hv_scales, through)
 
-    def launch(stream, k, v, positions, page_table, pages):
+    def launch(stream, k, v, positions, page_table, pages, host_pages=None):
         threads = k.shape[0] * (k_blocks + v_blocks)
         if threads:
             launch_kernel(kernel, -(-threads // STORE_THREADS), STORE_THREADS, stream, k, v, positions, page_table,
-                          *pages.arrays())
+                          *pages.arrays(), *host_arrays(pages, host_pages), int(host_pages is not None))
     return launch

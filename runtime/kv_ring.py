@@ -1,0 +1,64 @@
+"""The K/V ring: the context's latest pages in VRAM, every page also in a host copy when the ring is shorter.
+
+Page p (positions p * page_tokens ..) lives in slot p mod n_slots of each layer's pages (the plan's `kv_pages`,
+carved from the `kv_ring` region). When the plan keeps fewer pages than its context needs, a host copy of the
+whole context is taken at start (mapped pinned memory, page p at index p): every K/V row a pass stores is
+written through to it, and attention reads a page the ring no longer holds from it, in place (zero-copy, no
+host sync, the same bits). The page table (the plan's `tables` region, shared by every layer) says where each
+page is: its slot, or -1.
+
+The ring remembers which page each slot holds. A page is in VRAM only while its slot still holds it: a
+conversation reused after its decode steps wrote further finds its older pages in the host copy, not in slots
+that later pages took.
+"""
+
+import numpy as np
+
+from codegen.lower.cuda import copy_rows, cuda
+from codegen.lower.kv_pages import kv_arrays
+
+
+class KVRing:
+    def __init__(self, arena, page_table, kv, hparams, n_slots: int, page_tokens: int, context_tokens: int,
+                 progress):
+        """page_table: the int32 device table of every page of the context; progress: `runtime.progress`."""
+        self.page_table, self.n_slots, self.page_tokens = page_table, n_slots, page_tokens
+        self.full_pages = -(-context_tokens // page_tokens)
+
+        def layout(slots):
+            return kv_arrays(kv.name, slots, page_tokens, hparams.n_head_kv, hparams.head_dim_k, hparams.head_dim_v)
+        carver = arena.carver("kv_ring", alignment=4)
+        self.pages = {layer: layout(n_slots).carve(carver.array) for layer in range(hparams.n_trunk)}
+        self.host = {}          # layer -> the host copy of its pages (none when the ring holds the context)
+        if n_slots < self.full_pages:
+            whole = layout(self.full_pages)
+            progress.start("pinning the host copy of the K/V", hparams.n_trunk * whole.nbytes, "B")
+            for layer in range(hparams.n_trunk):
+                self.host[layer] = whole.allocate(_mapped_zeros)
+                progress.advance(whole.nbytes)
+            progress.finish()
+        self.holds = np.full(n_slots, -1, np.int64)           # slot -> the page it holds
+        self.pages_index = np.arange(self.full_pages)
+        self.written = None                                   # the table as last written to the device
+        self.staging = cuda.pinned_array(self.full_pages, np.int32)
+
+    def claim(self, start: int, end: int, stream) -> None:
+        """Before a pass that stores positions start..end - 1: their pages take their slots, and the table
+        says where every page now is (written on `stream` from pinned staging; every pass ends in a host
+        sync, so the staging is free again by the next claim)."""
+        for page in range(start // self.page_tokens, (end - 1) // self.page_tokens + 1):
+            self.holds[page % self.n_slots] = page
+        slots = self.pages_index % self.n_slots
+        table = np.where(self.holds[slots] == self.pages_index, slots, -1).astype(np.int32)
+        if self.written is not None and np.array_equal(table, self.written):
+            return
+        self.staging[:] = table
+        copy_rows(self.page_table, 0, self.staging, 0, self.full_pages, stream)
+        self.written = table
+
+
+def _mapped_zeros(shape, dtype):
+    """Zeroed mapped pinned host memory (kernels read and write it in place)."""
+    mapped = cuda.mapped_array(shape, dtype)
+    mapped[...] = 0
+    return mapped
