@@ -132,16 +132,16 @@ def test_a_reused_conversation_gives_the_logits_of_a_cold_read(folder, model, rn
 
 
 def test_a_request_longer_than_the_kv_ring_reads_older_pages_from_the_host_copy(folder, model, rng):
-    """110 prompt tokens and 3 decode steps on a K/V ring of 6 pages of 16 (the last step's page takes page 1's
+    """62 prompt tokens and 3 decode steps on a K/V ring of 3 pages of 16 (the last step's page takes page 1's
     slot): bitwise the logits of a ring that holds the whole context, and the reference's greedy tokens. Then the
-    conversation reused from position 110 finds page 1 in the host copy, not in the slot page 7 took: bitwise a
+    conversation reused from position 62 finds page 1 in the host copy, not in the slot page 4 took: bitwise a
     cold read."""
-    prompt = rng.integers(0, 128, size=110).tolist()
+    prompt = rng.integers(0, 128, size=62).tolist()
     more = rng.integers(0, 128, size=3).tolist()
     outs = []
-    for vram, pins in ((800, {"kv_pages": 16}), (600, {"chunk_tokens": 64, "kv_pages": 6})):
+    for vram, pins in ((800, {"kv_pages": 16}), (600, {"chunk_tokens": 16, "kv_pages": 3})):
         with Engine(plan_for(folder, model, vram, **pins), model, progress=False) as engine:
-            assert bool(engine.kv_ring.host) == (pins["kv_pages"] == 6)
+            assert bool(engine.kv_ring.host) == (pins["kv_pages"] == 3)
             outs.append(engine.generate(prompt, max_new_tokens=4, conversation="c", return_logits=True))
             follow = prompt + outs[-1].tokens + more
             warm = engine.generate(follow, max_new_tokens=1, conversation="c", return_logits=True)

@@ -100,6 +100,7 @@ def test_defaults(tmp_path):
     assert gpu.zero_copy_read_bytes_per_s == gpu.host_to_device_bytes_per_s
     assert gpu.copy_latency_s == pytest.approx(10e-6)
     assert gpu.graph_node_overhead_s == pytest.approx(1e-6)
+    assert gpu.kernel_launch_s == pytest.approx(25e-6)
 
 
 def test_multi_gpu_profile(tmp_path):

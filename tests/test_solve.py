@@ -36,9 +36,11 @@ def small_card(tmp_path, architecture="qwen3moe", blocks=4, experts=8, embedding
     return path
 
 
-def profile_with(vram_bytes, reserved=64 * 2**20, link="12 GB/s", bandwidth="400 GB/s", gpus=1):
+def profile_with(vram_bytes, reserved=64 * 2**20, link="12 GB/s", bandwidth="400 GB/s", gpus=1,
+                 kernel_launch="25 us"):
     gpu = {"name": "test", "vram": f"{vram_bytes} B", "reserved": f"{reserved} B", "memory_bandwidth": bandwidth,
-           "fp32": "10 TFLOPS", "fp16": "40 TFLOPS", "host_to_device": link, "device_to_host": link}
+           "fp32": "10 TFLOPS", "fp16": "40 TFLOPS", "host_to_device": link, "device_to_host": link,
+           "kernel_launch": kernel_launch}
     return parse_profile({"gpus": [gpu] * gpus, "host": {"ram": "512 GiB", "pinned_budget": "400 GiB"}},
                          source="test-profile")
 
@@ -135,6 +137,18 @@ def test_a_bigger_prefill_ring_shrinks_the_cache_or_the_chunk(air_8g):
     assert forced.knobs["expert_cache_slots"][0] < air_8g.knobs["expert_cache_slots"][0] or \
         forced.knobs["chunk_tokens"] < air_8g.knobs["chunk_tokens"]
     assert forced.predictions["request_seconds"] >= air_8g.predictions["request_seconds"]
+
+
+def test_a_host_slow_to_issue_kernels_gets_a_deeper_prefill_ring():
+    """Prefill issues each ring batch's kernels, copies and events from Python: on a host that takes 300 us a
+    call the plan streams a chunk's experts in fewer, larger batches than on one that takes none, and predicts
+    a slower prompt read."""
+    plans = {launch: solve(profile_with(8 * 2**30, link="25 GB/s", kernel_launch=launch), "qwen3-30b-a3b-q8_0",
+                           context=8192, kv="f16") for launch in ("0 us", "300 us")}
+    fast, slow = plans["0 us"], plans["300 us"]
+    assert slow.knobs["prefill_ring_slots"] > fast.knobs["prefill_ring_slots"]
+    rates = [(s["tok_s"], f["tok_s"]) for s, f in zip(slow.predictions["prefill"], fast.predictions["prefill"])]
+    assert all(s <= f for s, f in rates) and any(s < f for s, f in rates)
 
 
 def test_the_room_adds_ring_slots_without_shrinking_the_chunk(air_8g):
