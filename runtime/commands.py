@@ -2,6 +2,7 @@
 and imports this module only when one of them runs, so planning never imports numba."""
 
 import sys
+import time
 
 import numpy as np
 
@@ -24,10 +25,15 @@ def run(args) -> None:
     plan, prompt = load_plan(args.plan), parse_ids(args.prompt_ids)
     with Engine(plan, args.model, progress=not args.quiet, seed=args.seed) as engine:
         stop = set(args.stop_ids or ())
+        first_token_s = None
         for token in engine.stream(prompt, args.max_new_tokens, args.temperature, stop_ids=stop):
+            if first_token_s is None:
+                first_token_s = time.perf_counter() - args.started
             print(token, end=" ", flush=True)
         print()
         _print_stats(engine.stats())
+        print(f"first token {first_token_s:.2f} s after the command started (engine start {engine.startup_s:.2f} s: "
+              "weights, kernels compiled, decode step captured)", file=sys.stderr)
 
 
 def bench(args) -> None:

@@ -52,8 +52,9 @@ def folder(tmp_path_factory):
     return tmp_path_factory.mktemp("profiles")
 
 
-def plan_for(folder, model, vram_kib: int, **pins):
-    return solve(write_profile(folder, vram_kib), model, context=CONTEXT, kv="f32", page_tokens=16, pins=pins)
+def plan_for(folder, model, vram_kib: int, page_tokens: int = 16, **pins):
+    return solve(write_profile(folder, vram_kib), model, context=CONTEXT, kv="f32", page_tokens=page_tokens,
+                 pins=pins)
 
 
 class CountingAllocations:
@@ -132,24 +133,21 @@ def test_a_reused_conversation_gives_the_logits_of_a_cold_read(folder, model, rn
 
 
 def test_a_request_longer_than_the_kv_ring_reads_older_pages_from_the_host_copy(folder, model, rng):
-    """62 prompt tokens and 3 decode steps on a K/V ring of 3 pages of 16 (the last step's page takes page 1's
-    slot): bitwise the logits of a ring that holds the whole context, and the reference's greedy tokens. Then the
-    conversation reused from position 62 finds page 1 in the host copy, not in the slot page 4 took: bitwise a
-    cold read."""
-    prompt = rng.integers(0, 128, size=62).tolist()
-    more = rng.integers(0, 128, size=3).tolist()
-    outs = []
-    for vram, pins in ((800, {"kv_pages": 16}), (600, {"chunk_tokens": 16, "kv_pages": 3})):
-        with Engine(plan_for(folder, model, vram, **pins), model, progress=False) as engine:
-            assert bool(engine.kv_ring.host) == (pins["kv_pages"] == 3)
-            outs.append(engine.generate(prompt, max_new_tokens=4, conversation="c", return_logits=True))
-            follow = prompt + outs[-1].tokens + more
-            warm = engine.generate(follow, max_new_tokens=1, conversation="c", return_logits=True)
-            cold = engine.generate(follow, max_new_tokens=1, return_logits=True)
-            assert warm.reused_tokens == len(prompt) and np.array_equal(warm.logits, cold.logits)
-    assert np.array_equal(outs[0].logits, outs[1].logits)
-    want = reference.forward(model, prompt + outs[1].tokens[:-1])[len(prompt) - 1:]
-    assert outs[1].tokens == [int(np.argmax(row)) for row in want]
+    """A K/V ring of 2 pages of 4 positions: 11 prompt tokens (page 2 takes page 0's slot) and decode steps at
+    positions 11 and 12 (page 3 takes page 1's): the reference's greedy tokens. Then the same prompt in the same
+    conversation reads only its last position (page 2) and finds page 1 in the host copy, not in the slot page 3
+    took: bitwise a cold read."""
+    plan = plan_for(folder, model, 600, page_tokens=4, chunk_tokens=4, kv_pages=2)
+    prompt = rng.integers(0, 128, size=11).tolist()
+    with Engine(plan, model, progress=False) as engine:
+        assert engine.kv_ring.host
+        out = engine.generate(prompt, max_new_tokens=3, conversation="c", return_logits=True)
+        warm = engine.generate(prompt, max_new_tokens=1, conversation="c", return_logits=True)
+        cold = engine.generate(prompt, max_new_tokens=1, return_logits=True)
+    assert warm.reused_tokens == len(prompt) - 1 and np.array_equal(warm.logits, cold.logits)
+    want = reference.forward(model, prompt + out.tokens[:-1])[len(prompt) - 1:]
+    assert out.tokens == [int(np.argmax(row)) for row in want]
+    assert np.linalg.norm(out.logits - want) / np.linalg.norm(want) < 1e-4
 
 
 def test_bad_requests_are_refused_and_the_engine_stays_usable(folder, model, rng):
@@ -222,3 +220,17 @@ def test_stratum_run_refuses_bad_input_in_one_line(folder, model, tmp_path, caps
     assert "--prompt-ids takes token ids" in capsys.readouterr().err
     assert main(["run", "--plan", str(plan_path), "--model", str(other), "--prompt-ids", "1,2"]) == 2
     assert "this plan was made for model" in capsys.readouterr().err
+
+
+def test_stratum_run_prints_the_greedy_tokens_and_the_time_to_the_first(folder, model, tmp_path, capsys, rng):
+    from planner.cli import main
+    plan_path = tmp_path / "plan.yaml"
+    plan_for(folder, model, 800).save(plan_path)
+    prompt = rng.integers(0, 128, size=5).tolist()
+    capsys.readouterr()         # the seed line
+    assert main(["run", "--plan", str(plan_path), "--model", str(model), "--quiet", "--max-new-tokens", "2",
+                 "--prompt-ids", ",".join(map(str, prompt))]) == 0
+    out = capsys.readouterr()
+    assert int(out.out.split()[0]) == int(np.argmax(reference.forward(model, prompt)[-1]))
+    assert len(out.out.split()) == 2 and "first token" in out.err and "s after the command started" in out.err
+
