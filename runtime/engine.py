@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from codegen.lower.cuda import SIMULATOR, CapturedGraph, cuda
+from codegen.lower.cuda import SIMULATOR, CapturedGraph, copy_rows, cuda
 from codegen.lower.program import arena_layout, lower
 from codegen.lower.weights import iter_gguf
 from planner.architecture import tensor_layer
@@ -192,8 +192,8 @@ class Engine:
         n = len(token_ids)
         self.staging[0, :n] = token_ids
         self.staging[1, :n] = np.arange(start, start + n, dtype=np.int32)
-        program.tensors["token_ids"].copy_to_device(self.staging[0, :n], stream=self.compute)
-        program.tensors["positions"].copy_to_device(self.staging[1, :n], stream=self.compute)
+        copy_rows(program.tensors["token_ids"], 0, self.staging[0], 0, n, self.compute)
+        copy_rows(program.tensors["positions"], 0, self.staging[1], 0, n, self.compute)
 
     def _prefill(self, token_ids, start: int) -> np.ndarray:
         """Read positions start.. in chunks of the plan's size; the last position's logits."""

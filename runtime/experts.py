@@ -83,6 +83,7 @@ class ExpertStore:
         self.pending = None         # event: a refresh's copies are done
         self.incoming = []          # (block index, block, experts) a pending refresh is copying in
         self.table_staging = cuda.pinned_array((len(self.blocks), self.n_expert), np.int32)
+        self.prefill_staging = cuda.pinned_array((len(self.blocks), self.n_expert), np.int32)
 
     # ---------------------------------------------------------------------------------------------------
     # start
@@ -151,7 +152,9 @@ class ExpertStore:
         """Compute a chunk's routed experts of one block: run_batch(lo, hi) for each batch, its experts
         copied into the ring first (on the copy stream, waiting until compute is done with that half)."""
         table, batches = self.prefill_batches(block, np.unique(ids))
-        self.prefill_tables[block].copy_to_device(table, stream=compute)
+        index = self.blocks.index(block)
+        self.prefill_staging[index] = table         # pinned: an asynchronous copy (pageable memory would wait)
+        copy_rows(self.prefill_tables[block], 0, self.prefill_staging[index], 0, self.n_expert, compute)
         for j, (lo, hi, base, group) in enumerate(batches):
             half = j % 2
             if group:
@@ -248,7 +251,7 @@ class ExpertStore:
     def _write_table(self, index: int, table: np.ndarray, compute) -> None:
         """A block's decode table, from pinned staging (a pageable copy would wait for the stream)."""
         self.table_staging[index] = table
-        self.decode_tables[self.blocks[index]].copy_to_device(self.table_staging[index], stream=compute)
+        copy_rows(self.decode_tables[self.blocks[index]], 0, self.table_staging[index], 0, self.n_expert, compute)
 
 
 def _mapped(shape, dtype, values):
