@@ -93,6 +93,9 @@ class Engine:
         self.programs, self.decode_graph = {}, None
         self.decode_ids = cuda.pinned_array((len(self.moe_blocks), 1, self.hp.n_expert_used), np.int32)
         self.staging = cuda.pinned_array((2, self.chunk_tokens), np.int32)
+        # pinned destinations of the routed ids prefill reads back per block, and of decode's greedy token
+        self.routed_ids = cuda.pinned_array((self.chunk_tokens, self.hp.n_expert_used), np.int32)
+        self.greedy = cuda.pinned_array(1, np.int32)
         self.kv_owner = None            # (conversation, prompt tokens whose K/V the ring holds)
         self.totals = _Totals()
         self._warm_up()
@@ -218,8 +221,10 @@ class Engine:
                 continue
             block = tensor_layer(step.name)
             down = steps[f"blk.{block}.moe_down"]
-            ids = program.tensors[f"blk.{block}.topk"].copy_to_host(stream=self.compute)
+            routed = program.tensors[f"blk.{block}.topk"]
+            copy_rows(self.routed_ids, 0, routed, 0, routed.shape[0], self.compute)
             self.compute.synchronize()
+            ids = self.routed_ids[:routed.shape[0]]
 
             def run_batch(lo, hi, step=step, down=down):
                 step.launch(self.compute, *step.args, lo=lo, hi=hi)
@@ -245,11 +250,11 @@ class Engine:
             self.decode_graph = CapturedGraph(self._enqueue_decode, self.compute)
         else:
             self.decode_graph.replay(self.compute)
-        greedy = program.tensors["argmax"].copy_to_host(stream=self.compute)
+        copy_rows(self.greedy, 0, program.tensors["argmax"], 0, 1, self.compute)
         self.compute.synchronize()
         self.experts.record_decode(self.decode_ids)
         self.experts.after_decode_step(self.compute)
-        return int(greedy[0]), program.tensors["logits"]
+        return int(self.greedy[0]), program.tensors["logits"]
 
     # ---------------------------------------------------------------------------------------------------
     # requests

@@ -148,25 +148,35 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
 
 
 def copy_rows(dst, dst_row: int, src, src_row: int, rows: int, stream) -> None:
-    """Rows src_row.. of a page-locked host array into rows dst_row.. of a device array (both C-contiguous,
-    rows of the same bytes), asynchronous on `stream`: one driver call, not numba's copy, which costs
-    ~200 us of Python a call (slicing both arrays, checking, marshalling)."""
-    row_bytes = src.strides[0]
-    if dst.strides[0] != row_bytes or not (src.flags.c_contiguous and dst.is_c_contiguous()):
-        raise ValueError(f"copy_rows needs C-contiguous arrays of equal rows ({row_bytes} and {dst.strides[0]} "
+    """Rows src_row.. of `src` into rows dst_row.. of `dst`, asynchronous on `stream`: a page-locked host array
+    (numpy) into a device array, or a device array into a page-locked host array (both C-contiguous, rows of
+    the same bytes). One driver call, not numba's copy, which costs ~200 us of Python a call (slicing both
+    arrays, checking, marshalling)."""
+    to_host = isinstance(dst, np.ndarray)
+    host, device = (dst, src) if to_host else (src, dst)
+    row_bytes = host.strides[0]
+    if device.strides[0] != row_bytes or not (host.flags.c_contiguous and device.is_c_contiguous()):
+        raise ValueError(f"copy_rows needs C-contiguous arrays of equal rows ({row_bytes} and {device.strides[0]} "
                          "bytes)")
     if not (0 <= src_row <= src_row + rows <= src.shape[0] and 0 <= dst_row <= dst_row + rows <= dst.shape[0]):
         raise ValueError(f"rows {src_row}..{src_row + rows} into {dst_row}..{dst_row + rows}: outside "
                          f"{src.shape[0]} and {dst.shape[0]} rows")
     if SIMULATOR:
-        dst[dst_row:dst_row + rows].copy_to_device(src[src_row:src_row + rows], stream=stream)
+        if to_host:
+            dst[dst_row:dst_row + rows] = src[src_row:src_row + rows].copy_to_host(stream=stream)
+        else:
+            dst[dst_row:dst_row + rows].copy_to_device(src[src_row:src_row + rows], stream=stream)
         return
     from cuda.bindings import driver
-    err, = driver.cuMemcpyHtoDAsync(dst.device_ctypes_pointer.value + dst_row * row_bytes,
-                                    src.ctypes.data + src_row * row_bytes, rows * row_bytes,
-                                    driver.CUstream(int(stream.handle)))
+    host_at = host.ctypes.data + (dst_row if to_host else src_row) * row_bytes
+    device_at = device.device_ctypes_pointer.value + (src_row if to_host else dst_row) * row_bytes
+    handle = driver.CUstream(int(stream.handle))
+    if to_host:
+        err, = driver.cuMemcpyDtoHAsync(host_at, device_at, rows * row_bytes, handle)
+    else:
+        err, = driver.cuMemcpyHtoDAsync(device_at, host_at, rows * row_bytes, handle)
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemcpyHtoDAsync failed: {err}")
+        raise RuntimeError(f"an asynchronous copy of {rows * row_bytes} bytes failed: {err}")
 
 
 if not SIMULATOR:
