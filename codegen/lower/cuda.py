@@ -128,7 +128,7 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
         if compiled is None:
             kernel[griddim, blockdim, stream](*args)       # compiles for these types
             return
-        _compiled[key] = compiled, tuple(types)         # the types kept alive: their ids stay theirs
+        _compiled[key] = compiled, tuple(types), kernel     # kept alive: their ids stay theirs
     else:
         compiled = found[0]
     params = []
@@ -185,7 +185,7 @@ if not SIMULATOR:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray as _DeviceNDArray
 
 _marshalled_arrays = {}     # id(device array) -> (weak reference, numba type, kernel parameters)
-_compiled = {}              # (id(dispatcher), id(each argument's type)...) -> (compiled kernel, types)
+_compiled = {}              # (id(dispatcher), id(each argument's type)...) -> (compiled kernel, types, dispatcher)
 _functions = {}             # numba's compiled kernel -> the driver's function
 _configs = {}               # (grid, block) -> launch configuration
 _scalar_types = {}          # Python or numpy scalar type -> numba type
