@@ -75,14 +75,18 @@ class CountingAllocations:
 
 def test_device_allocation_is_the_plan_and_greedy_tokens_are_the_references(folder, model, monkeypatch, rng):
     """A prompt and three decode steps, half the experts only in the host copy, the cache refreshed after
-    every step (the third step reads experts the first refresh copied in)."""
+    every step. The frequency policy starts primed as if experts 4..7 (the ones the cache does not start with)
+    had been routed most, so the first refresh swaps them all in, whatever this prompt routes, and the later
+    steps read experts that refresh copied."""
     plan = plan_for(folder, model, 600)
     assert plan.knobs["expert_cache_slots"][0] == 4      # half the experts live only in the host copy
     counting = CountingAllocations(monkeypatch)
     prompt = rng.integers(0, 128, size=7).tolist()
     with Engine(plan, model, progress=False, refresh_steps=1) as engine:
+        assert sorted(engine.experts.resident[0]) == [0, 1, 2, 3]
+        engine.experts.counts[:, 4:] = 100
         out = engine.generate(prompt, max_new_tokens=4, return_logits=True)
-        assert engine.stats()["experts_refreshed"] > 0
+        assert engine.stats()["experts_refreshed"] == 4 and sorted(engine.experts.resident[0]) == [4, 5, 6, 7]
     assert counting.bytes == [plan.device_bytes(0)]
     want = reference.forward(model, prompt + out.tokens[:-1])[len(prompt) - 1:]
     assert out.tokens == [int(np.argmax(row)) for row in want]
@@ -133,21 +137,21 @@ def test_a_reused_conversation_gives_the_logits_of_a_cold_read(folder, model, rn
 
 
 def test_a_request_longer_than_the_kv_ring_reads_older_pages_from_the_host_copy(folder, model, rng):
-    """A K/V ring of 2 pages of 4 positions: 11 prompt tokens (page 2 takes page 0's slot) and decode steps at
-    positions 11 and 12 (page 3 takes page 1's): the reference's greedy tokens. Then the same prompt in the same
-    conversation reads only its last position (page 2) and finds page 1 in the host copy, not in the slot page 3
-    took: bitwise a cold read."""
-    plan = plan_for(folder, model, 600, page_tokens=4, chunk_tokens=4, kv_pages=2)
-    prompt = rng.integers(0, 128, size=11).tolist()
+    """A K/V ring of 3 pages of 4 positions: 16 prompt tokens in two chunks (page 3 takes page 0's slot) and a
+    decode step at position 16 (page 4 takes page 1's): the reference's greedy tokens. Then the same prompt in the
+    same conversation reads only its last position and finds pages 0 and 1 in the host copy, not in the slots
+    pages 3 and 4 took: the reference's logits."""
+    plan = plan_for(folder, model, 600, page_tokens=4, chunk_tokens=8, kv_pages=3)
+    prompt = rng.integers(0, 128, size=16).tolist()
     with Engine(plan, model, progress=False) as engine:
         assert engine.kv_ring.host
-        out = engine.generate(prompt, max_new_tokens=3, conversation="c", return_logits=True)
+        out = engine.generate(prompt, max_new_tokens=2, conversation="c", return_logits=True)
         warm = engine.generate(prompt, max_new_tokens=1, conversation="c", return_logits=True)
-        cold = engine.generate(prompt, max_new_tokens=1, return_logits=True)
-    assert warm.reused_tokens == len(prompt) - 1 and np.array_equal(warm.logits, cold.logits)
+    assert warm.reused_tokens == len(prompt) - 1
     want = reference.forward(model, prompt + out.tokens[:-1])[len(prompt) - 1:]
     assert out.tokens == [int(np.argmax(row)) for row in want]
-    assert np.linalg.norm(out.logits - want) / np.linalg.norm(want) < 1e-4
+    for got in (out.logits, warm.logits):
+        assert np.linalg.norm(got - want[:len(got)]) / np.linalg.norm(want[:len(got)]) < 1e-4
 
 
 def test_bad_requests_are_refused_and_the_engine_stays_usable(folder, model, rng):
@@ -222,15 +226,15 @@ def test_stratum_run_refuses_bad_input_in_one_line(folder, model, tmp_path, caps
     assert "this plan was made for model" in capsys.readouterr().err
 
 
-def test_stratum_run_prints_the_greedy_tokens_and_the_time_to_the_first(folder, model, tmp_path, capsys, rng):
+def test_stratum_run_prints_the_greedy_token_and_the_time_to_the_first(folder, model, tmp_path, capsys, rng):
     from planner.cli import main
     plan_path = tmp_path / "plan.yaml"
     plan_for(folder, model, 800).save(plan_path)
     prompt = rng.integers(0, 128, size=5).tolist()
     capsys.readouterr()         # the seed line
-    assert main(["run", "--plan", str(plan_path), "--model", str(model), "--quiet", "--max-new-tokens", "2",
+    assert main(["run", "--plan", str(plan_path), "--model", str(model), "--quiet", "--max-new-tokens", "1",
                  "--prompt-ids", ",".join(map(str, prompt))]) == 0
     out = capsys.readouterr()
-    assert int(out.out.split()[0]) == int(np.argmax(reference.forward(model, prompt)[-1]))
-    assert len(out.out.split()) == 2 and "first token" in out.err and "s after the command started" in out.err
+    assert out.out.split() == [str(int(np.argmax(reference.forward(model, prompt)[-1])))]
+    assert "first token" in out.err and "s after the command started" in out.err
 
