@@ -91,7 +91,7 @@ def test_values_keep_activations_order_one(tmp_path, rng, architecture):
     assert not np.array_equal(other.weights["output.weight"], model.weights["output.weight"])
 
 
-def top_quarter_share(path, rng, prompts: int = 4, length: int = 64) -> float:
+def top_quarter_share(path, rng, prompts: int = 16, length: int = 64) -> float:
     """The share of the routed slots that go to each MoE block's most popular quarter of experts, averaged
     over the blocks, on random prompts."""
     model = reference.load(path)
@@ -110,11 +110,12 @@ def test_expert_popularity_follows_skew(tmp_path, rng, architecture):
     shares = [top_quarter_share(write_model(tmp_path / f"s{skew}.gguf", architecture, seed=seed, skew=skew), rng)
               for skew in (0.0, 1.0, 3.0)]
     uniform, realistic, steep = shares
-    # 80 seeds gave 0.29-0.36, 0.46-0.59 and 0.72-0.84, and gaps of at least 0.12 and 0.19
-    assert uniform < 0.42, shares           # 0.25 plus the sampling of 512 slots over 8 experts
-    assert 0.42 < realistic < 0.65, shares  # skew 1: the top quarter takes about half
+    # 60 seeds (16 prompts of 64) gave 0.29-0.36, 0.44-0.57 and 0.73-0.85, and gaps of at least 0.12 and 0.22;
+    # with 4 prompts a seed gave 0.37 and 0.42 (the uniform share's sampling bias is larger on fewer slots)
+    assert uniform < 0.40, shares           # 0.25 plus the sampling of 2048 slots over 8 experts
+    assert 0.40 < realistic < 0.65, shares  # skew 1: the top quarter takes about half
     assert steep > 0.68, shares
-    assert uniform < realistic - 0.06 and realistic < steep - 0.1, shares
+    assert uniform < realistic - 0.05 and realistic < steep - 0.1, shares
 
 
 @pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0])
