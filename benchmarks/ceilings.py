@@ -17,7 +17,7 @@ import numpy as np
 
 import time
 
-from codegen.lower.cuda import CapturedGraph, cuda, launch_kernel
+from codegen.lower.cuda import CapturedGraph, cuda, launch_kernel, mapped_filled
 
 READ_BYTES = 4 << 30
 FMA_STEPS = 2048
@@ -108,8 +108,7 @@ def pinned_copy_bytes_per_s(nbytes: int = 1 << 30) -> float:
 
 def zero_copy_read_bytes_per_s(nbytes: int = 1 << 30) -> float:
     """A kernel reading mapped pinned host memory in place (what a decode-step expert-cache miss costs)."""
-    words = cuda.mapped_array(nbytes // 4, np.int32)
-    words[:] = 0
+    words = mapped_filled(nbytes // 4, np.int32)
     out = cuda.device_array(1, np.int32)
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
     return nbytes / time_s(lambda: _read_kernel[sms * 8, 512](words, out), repeats=5, warmup=1)

@@ -29,7 +29,7 @@ from gguf.constants import GGMLQuantizationType as T
 from benchmarks.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_bytes_per_s
 from codegen.graph import moe_groups_length
 from codegen.lower import matmul, moe, weights
-from codegen.lower.cuda import cuda, device_name
+from codegen.lower.cuda import cuda, device_name, mapped_filled
 from runtime import reference
 
 L2_DEFEAT_BYTES = 256 << 20     # weight copies a timed graph cycles through, at least
@@ -402,9 +402,7 @@ def decode_sweep(rng, bandwidth):
 def mapped_upload(packed: weights.PackedWeight) -> weights.DeviceWeight:
     """A packed weight in mapped pinned host memory (zero-copy: kernels read it over the bus)."""
     def mapped(array):
-        out = cuda.mapped_array(array.shape, array.dtype)
-        out[...] = array
-        return out
+        return mapped_filled(array.shape, array.dtype, array)
     scales = packed.scales if packed.scales is not None else np.zeros(1, np.float16)
     return weights.DeviceWeight(packed.ggml_type, packed.shape, mapped(packed.data), mapped(scales))
 

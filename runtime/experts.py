@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codegen.lower.cuda import copy_rows, cuda, event_done, mapped_device_view, mapped_host_view
+from codegen.lower.cuda import copy_rows, cuda, event_done, mapped_device_view, mapped_filled, mapped_host_view
 from codegen.lower.weights import DeviceWeight, packed_layout, placeholder_scales
 from planner.errors import StratumError
 
@@ -97,8 +97,8 @@ class ExpertStore:
                 self._slot(matrix, slot, 1).scales.copy_to_device(packed.scales[expert:expert + 1])
         if self.needs_host:
             (data_shape, dtype), scales_shape = packed_layout(packed.ggml_type, packed.shape)
-            data = _mapped(data_shape, dtype, packed.data)
-            scales = _mapped(scales_shape, np.float16, packed.scales) if scales_shape else None
+            data = mapped_filled(data_shape, dtype, packed.data)
+            scales = mapped_filled(scales_shape, np.float16, packed.scales) if scales_shape else None
             host_scales = None if scales is None else mapped_host_view(scales)
             self.host_arrays[block, matrix] = mapped_host_view(data), host_scales
             data_view = mapped_device_view(data)
@@ -252,13 +252,6 @@ class ExpertStore:
         """A block's decode table, from pinned staging (a pageable copy would wait for the stream)."""
         self.table_staging[index] = table
         copy_rows(self.decode_tables[self.blocks[index]], 0, self.table_staging[index], 0, self.n_expert, compute)
-
-
-def _mapped(shape, dtype, values):
-    """Mapped pinned host memory (page-locked, readable by kernels in place) holding `values`."""
-    mapped = cuda.mapped_array(shape, dtype)
-    mapped[...] = values
-    return mapped
 
 
 def _runs(experts: list) -> list:

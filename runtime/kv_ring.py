@@ -14,7 +14,7 @@ that later pages took.
 
 import numpy as np
 
-from codegen.lower.cuda import copy_rows, cuda
+from codegen.lower.cuda import copy_rows, cuda, mapped_filled
 from codegen.lower.kv_pages import kv_arrays
 
 
@@ -34,31 +34,25 @@ class KVRing:
             whole = layout(self.full_pages)
             progress.start("pinning the host copy of the K/V", hparams.n_trunk * whole.nbytes, "B")
             for layer in range(hparams.n_trunk):
-                self.host[layer] = whole.allocate(_mapped_zeros)
+                self.host[layer] = whole.allocate(mapped_filled)
                 progress.advance(whole.nbytes)
             progress.finish()
         self.holds = np.full(n_slots, -1, np.int64)           # slot -> the page it holds
         self.pages_index = np.arange(self.full_pages)
-        self.written = None                                   # the table as last written to the device
+        self.written = False                                  # whether the table was written yet
         self.staging = cuda.pinned_array(self.full_pages, np.int32)
 
     def claim(self, start: int, end: int, stream) -> None:
         """Before a pass that stores positions start..end - 1: their pages take their slots, and the table
         says where every page now is (written on `stream` from pinned staging; every pass ends in a host
         sync, so the staging is free again by the next claim)."""
-        for page in range(start // self.page_tokens, (end - 1) // self.page_tokens + 1):
+        pages = range(start // self.page_tokens, (end - 1) // self.page_tokens + 1)
+        if self.written and all(self.holds[page % self.n_slots] == page for page in pages):
+            return          # the table follows from `holds` alone, and they have not changed (most decode steps)
+        for page in pages:
             self.holds[page % self.n_slots] = page
         slots = self.pages_index % self.n_slots
-        table = np.where(self.holds[slots] == self.pages_index, slots, -1).astype(np.int32)
-        if self.written is not None and np.array_equal(table, self.written):
-            return
-        self.staging[:] = table
+        self.staging[:] = np.where(self.holds[slots] == self.pages_index, slots, -1)
         copy_rows(self.page_table, 0, self.staging, 0, self.full_pages, stream)
-        self.written = table
+        self.written = True
 
-
-def _mapped_zeros(shape, dtype):
-    """Zeroed mapped pinned host memory (kernels read and write it in place)."""
-    mapped = cuda.mapped_array(shape, dtype)
-    mapped[...] = 0
-    return mapped

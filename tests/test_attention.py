@@ -14,7 +14,7 @@ from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import MAX_WINDOW
 from codegen.lower import attention as att
 from codegen.lower import kv_pages
-from codegen.lower.cuda import cuda
+from codegen.lower.cuda import cuda, mapped_filled
 from planner.errors import StratumError
 from planner.kv import parse_kv_type, row_bytes
 from runtime.reference import attention, kv_round
@@ -175,12 +175,6 @@ def test_prefill_matches_the_reference(rng, kv_name):
     assert _relative(got, setup.reference(positions)) < TOLERANCE
 
 
-def _mapped_zeros(shape, dtype):
-    mapped = cuda.mapped_array(shape, dtype)
-    mapped[...] = 0
-    return mapped
-
-
 @pytest.mark.parametrize("kv_name", ["f16", "k8v4"])
 def test_pages_the_table_marks_missing_are_read_from_the_host_copy(rng, kv_name):
     """A store writes each page into its slot and, given a host copy (mapped memory, page p at index p),
@@ -190,7 +184,7 @@ def test_pages_the_table_marks_missing_are_read_from_the_host_copy(rng, kv_name)
     want_rows, want_window = setup.prefill(np.arange(13, 30)), setup.decode(np.arange(27, 30))
     n_pages = len(setup.table)
     host = kv_pages.kv_arrays(kv_name, n_pages, setup.page_tokens, setup.n_head_kv, setup.dk,
-                              setup.dv).allocate(_mapped_zeros)
+                              setup.dv).allocate(mapped_filled)
     setup.store(np.arange(30), host_pages=host)
     for name in ("k_data", "k_scales", "v_data", "v_scales"):
         slots, copy = getattr(setup.pages, name).copy_to_host(), np.asarray(getattr(host, name))

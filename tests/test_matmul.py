@@ -10,7 +10,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import moe_groups_length
 from codegen.lower import MAX_WINDOW, matmul, moe, weights
-from codegen.lower.cuda import cuda
+from codegen.lower.cuda import cuda, mapped_filled
 from runtime import reference
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0]
@@ -262,9 +262,7 @@ def mapped_upload(packed):
     the experts). The simulator's cuda.mapped_array is a plain simulated device array, so there this checks
     the two-source logic, not the memory; on the GPU the kernels read the host memory itself."""
     def mapped(array):
-        out = cuda.mapped_array(array.shape, array.dtype)
-        out[...] = array        # (numba's MappedNDArray.copy_to_device fails: it is a numpy array, written so)
-        return out
+        return mapped_filled(array.shape, array.dtype, array)
     scales = packed.scales if packed.scales is not None else np.zeros(1, np.float16)
     return weights.DeviceWeight(packed.ggml_type, packed.shape, mapped(packed.data), mapped(scales))
 

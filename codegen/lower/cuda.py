@@ -93,6 +93,13 @@ def mapped_device_view(array):
     return view
 
 
+def mapped_filled(shape, dtype, values=0):
+    """Mapped pinned host memory (page-locked, readable and writable by kernels in place) holding `values`."""
+    mapped = cuda.mapped_array(shape, dtype)
+    mapped[...] = values
+    return mapped
+
+
 def mapped_host_view(array):
     """A mapped host array as plain numpy memory, the source of a host-to-device copy (page-locked: an
     asynchronous DMA at the link's rate). numba would copy from a mapped array itself device to device,
@@ -268,4 +275,4 @@ class CapturedGraph:
 
 
 __all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
-           "mapped_device_view", "mapped_host_view", "event_done", "launch_kernel", "copy_rows"]
+           "mapped_device_view", "mapped_filled", "mapped_host_view", "event_done", "launch_kernel", "copy_rows"]
