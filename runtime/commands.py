@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from codegen.lower.cuda import kernel_counts
 from planner.errors import StratumError
 from planner.plan import load_plan
 from runtime.engine import Engine
@@ -32,8 +33,9 @@ def run(args) -> None:
             print(token, end=" ", flush=True)
         print()
         _print_stats(engine.stats())
+        kernels = ", ".join(f"{n} {how}" for how, n in kernel_counts().items() if n) or "none launched"
         print(f"first token {first_token_s:.2f} s after the command started (engine start {engine.startup_s:.2f} s: "
-              "weights, kernels compiled, decode step captured)", file=sys.stderr)
+              f"weights, kernels ({kernels}), decode step captured)", file=sys.stderr)
 
 
 def bench(args) -> None:

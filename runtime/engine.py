@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from codegen.lower.cuda import SIMULATOR, CapturedGraph, copy_rows, cuda
+from codegen.lower.cuda import SIMULATOR, CapturedGraph, copy_rows, cuda, kernel_counts
 from codegen.lower.program import arena_layout, lower
 from codegen.lower.weights import iter_gguf
 from planner.architecture import tensor_layer
@@ -338,7 +338,7 @@ class Engine:
                 "decode_tokens": t.decode_tokens, "decode_tok_s": _rate(t.decode_tokens, t.decode_s),
                 "reused_tokens": t.reused_tokens, "expert_cache_hit_rate": round(e.hit_rate, 4),
                 "expert_bytes_copied": e.streamed_bytes, "experts_refreshed": e.refreshed_experts,
-                "device_bytes": self.arena.nbytes, "last_request": dict(t.last)}
+                "device_bytes": self.arena.nbytes, "kernels": kernel_counts(), "last_request": dict(t.last)}
 
     def close(self) -> None:
         if self.decode_graph is not None:

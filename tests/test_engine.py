@@ -215,6 +215,39 @@ def test_gpu_five_plans_decode_conversations_and_allocation(tmp_path, rng):
         assert np.array_equal(other.logits, results[0].logits)
 
 
+@pytest.mark.gpu
+def test_gpu_a_second_process_loads_every_kernel_from_the_disk_cache(tmp_path, rng):
+    """On the H200, `stratum run` twice in fresh processes over one kernel cache, on a glm4moe whose plan streams
+    experts through the prefill ring and misses the expert cache: the first process compiles every kernel and
+    stores each one (none is left uncached), the second loads every one and compiles none, and both print the
+    same tokens."""
+    import os
+    import re
+    import subprocess
+    import sys
+    model = write_model(tmp_path / "mid.gguf", "glm4moe", seed=9, n_trunk=3, n_embd=512, n_head=8, n_head_kv=2,
+                        head_dim=64, n_rot=32, n_ff=1024, n_ff_exp=256, n_expert=32, n_expert_used=4,
+                        n_vocab=4096, types={"experts": "q8_0", "dense": "q8_0"})
+    plan_path = tmp_path / "plan.yaml"
+    solve(write_profile(tmp_path, 28000), model, context=1024, kv="q8_0", page_tokens=16,
+          pins={"chunk_tokens": 64}).save(plan_path)
+    prompt = ",".join(map(str, rng.integers(0, 4096, size=100)))
+    command = [sys.executable, "-c", "import sys; from planner.cli import main; sys.exit(main(sys.argv[1:]))",
+               "run", "--plan", str(plan_path), "--model", str(model), "--quiet", "--max-new-tokens", "8",
+               "--prompt-ids", prompt]
+    env = dict(os.environ, STRATUM_KERNEL_CACHE=str(tmp_path / "kernels"))
+    runs = [subprocess.run(command, env=env, capture_output=True, text=True, timeout=600) for _ in range(2)]
+    for run in runs:
+        print(run.stderr.splitlines()[-1])
+        assert run.returncode == 0, run.stderr
+    counts = [dict((how, int(n)) for n, how in re.findall(r"(\d+) (loaded|compiled, not cached|compiled)\b",
+                                                         run.stderr.split("kernels (")[-1].split(")")[0]))
+              for run in runs]
+    assert counts[0].get("compiled", 0) > 10 and "loaded" not in counts[0] and "compiled, not cached" not in counts[0]
+    assert counts[1] == {"loaded": counts[0]["compiled"]}
+    assert runs[0].stdout.split() == runs[1].stdout.split() and len(runs[0].stdout.split()) == 8
+
+
 def test_stratum_run_refuses_bad_input_in_one_line(folder, model, tmp_path, capsys):
     from planner.cli import main
     plan_path = tmp_path / "plan.yaml"

@@ -5,11 +5,15 @@ numba-cuda is in maintenance; moving to its successor should change this file on
 runs libdevice bit casts wrongly: kernels reduce through shared memory, and bit casts come from here.
 """
 
+import ctypes
 import math
 import weakref
 
 import numpy as np
 from numba import config, cuda, float32
+from numba.core import types as _numba_types
+
+from codegen.lower import kernel_cache
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 
@@ -112,46 +116,63 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
     and marshals each argument and finds the compiled kernel at each launch (about 12 us an array, 250 us for
     a MoE kernel's 17), which dominated prefill's expert batches launched from Python. Here each device array
     is marshalled once, scalar types are known by their Python type, and the compiled kernel is found by its
-    argument types' identities. A kernel's first launch for its argument types (which compiles it) takes
-    numba's path."""
+    argument types' identities. A kernel's first launch for its argument types loads it from the disk cache
+    (`kernel_cache`) or compiles it and stores it there."""
     if SIMULATOR:
         kernel[griddim, blockdim, stream](*args)
         return
-    types, marshalled = [], []
+    types, params = [], []
     for value in args:
         entry = _marshalled_arrays.get(id(value))
         if entry is None or entry[0]() is not value:
             if not isinstance(value, _DeviceNDArray):
-                types.append(_scalar_type(kernel, value))
-                marshalled.append(None)
+                ty = _scalar_type(kernel, value)
+                types.append(ty)
+                params.append(_scalar_param(ty, value))
                 continue
             entry = _marshal_array(kernel, value)
         types.append(entry[1])
-        marshalled.append(entry[2])
+        params.extend(entry[2])
     key = (id(kernel), *map(id, types))
-    found = _compiled.get(key)
+    found = _functions.get(key)
     if found is None:
-        compiled = kernel.overloads.get(tuple(types))
-        if compiled is None:
-            kernel[griddim, blockdim, stream](*args)       # compiles for these types
-            return
-        _compiled[key] = compiled, tuple(types), kernel     # kept alive: their ids stay theirs
-    else:
-        compiled = found[0]
-    params = []
-    for ty, value, done in zip(types, args, marshalled):
-        if done is None:
-            compiled._prepare_args(ty, value, stream, [], params)
-        else:
-            params.extend(done)
-    function = _functions.get(compiled)
-    if function is None:
-        function = _functions[compiled] = compiled._codelibrary.get_cufunc().kernel
+        found = _functions[key] = _kernel_function(kernel, tuple(types)), tuple(types), kernel   # kept alive:
+    function = found[0]                                                    # their ids stay theirs
     shape = (griddim, blockdim)
     config = _configs.get(shape)
     if config is None:
         config = _configs[shape] = _LaunchConfig(grid=_dims(griddim), block=_dims(blockdim), shmem_size=0)
     _core_launch(stream or cuda.default_stream(), config, function, *params)
+
+
+def kernel_counts() -> dict:
+    """How this process got its kernels: loaded from the disk cache, compiled (and stored), or compiled with
+    no cache entry (a kernel whose code `kernel_cache` cannot read, or the cache turned off)."""
+    return dict(_kernel_counts)
+
+
+def _kernel_function(kernel, types: tuple):
+    """The driver's function for `kernel` at these argument types: from the disk cache, else compiled by numba
+    and stored there."""
+    capability = cuda.get_current_device().compute_capability
+    entry_key = kernel_cache.key(kernel.py_func, types, capability)
+    stored = kernel_cache.load(entry_key)
+    if stored is not None:
+        name, cubin = stored
+        try:
+            function = cuda.current_context().create_module_image(cubin).get_function(name).kernel
+        except Exception:       # a damaged or foreign entry: compile instead, and overwrite it
+            function = None
+        if function is not None:
+            _kernel_counts["loaded"] += 1
+            return function
+    library = kernel.compile(types)._codelibrary
+    if entry_key is None or kernel_cache.folder() is None:
+        _kernel_counts["compiled, not cached"] += 1
+    else:
+        kernel_cache.store(entry_key, library._entry_name, library.get_cubin())
+        _kernel_counts["compiled"] += 1
+    return library.get_cufunc().kernel
 
 
 def copy_rows(dst, dst_row: int, src, src_row: int, rows: int, stream) -> None:
@@ -192,10 +213,10 @@ if not SIMULATOR:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray as _DeviceNDArray
 
 _marshalled_arrays = {}     # id(device array) -> (weak reference, numba type, kernel parameters)
-_compiled = {}              # (id(dispatcher), id(each argument's type)...) -> (compiled kernel, types, dispatcher)
-_functions = {}             # numba's compiled kernel -> the driver's function
+_functions = {}             # (id(dispatcher), id(each argument's type)...) -> (driver's function, types, dispatcher)
 _configs = {}               # (grid, block) -> launch configuration
 _scalar_types = {}          # Python or numpy scalar type -> numba type
+_kernel_counts = {"loaded": 0, "compiled": 0, "compiled, not cached": 0}
 
 
 def _scalar_type(kernel, value):
@@ -212,15 +233,26 @@ def _scalar_type(kernel, value):
     return ty
 
 
+def _scalar_param(ty, value):
+    """A scalar as numba's kernels take it (numba's own launch passes the same C values)."""
+    if isinstance(ty, _numba_types.Boolean):
+        return bool(value)
+    if isinstance(ty, _numba_types.Integer):
+        return getattr(ctypes, f"c_{ty}")(value)
+    if ty == _numba_types.float32:
+        return ctypes.c_float(value)
+    if ty == _numba_types.float64:
+        return ctypes.c_double(value)
+    raise TypeError(f"a kernel argument of type {ty}: launch_kernel takes device arrays, integers, floats and bools")
+
+
 def _marshal_array(kernel, array) -> tuple:
-    ty = kernel.typeof_pyval(array)
-    params = []
-    any_compiled = next(iter(kernel.overloads.values()), None)
-    if any_compiled is None:        # nothing compiled yet: numba's path compiles and marshals this time
-        return lambda: None, ty, None
-    any_compiled._prepare_args(ty, array, 0, [], params)
+    """A device array as numba's kernels take it: meminfo and parent (null), size, item size, data pointer,
+    shape, strides in bytes."""
+    params = (0, 0, array.size, array.dtype.itemsize, array.device_ctypes_pointer.value, *array.shape,
+              *array.strides)
     key = id(array)
-    entry = _marshalled_arrays[key] = (weakref.ref(array), ty, tuple(params))
+    entry = _marshalled_arrays[key] = (weakref.ref(array), kernel.typeof_pyval(array), params)
     weakref.finalize(array, _marshalled_arrays.pop, key, None)
     return entry
 
@@ -275,4 +307,5 @@ class CapturedGraph:
 
 
 __all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
-           "mapped_device_view", "mapped_filled", "mapped_host_view", "event_done", "launch_kernel", "copy_rows"]
+           "mapped_device_view", "mapped_filled", "mapped_host_view", "event_done", "launch_kernel", "kernel_counts",
+           "copy_rows"]
