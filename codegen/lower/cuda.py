@@ -160,7 +160,8 @@ def _kernel_function(kernel, types: tuple):
     if stored is not None:
         name, cubin = stored
         try:
-            function = cuda.current_context().create_module_image(cubin).get_function(name).kernel
+            module = cuda.current_context().create_module_image(_ObjectCode.from_cubin(cubin))
+            function = module.get_function(name).kernel
         except Exception:       # a damaged or foreign entry: compile instead, and overwrite it
             function = None
         if function is not None:
@@ -170,7 +171,7 @@ def _kernel_function(kernel, types: tuple):
     if entry_key is None or kernel_cache.folder() is None:
         _kernel_counts["compiled, not cached"] += 1
     else:
-        kernel_cache.store(entry_key, library._entry_name, library.get_cubin())
+        kernel_cache.store(entry_key, library._entry_name, library.get_cubin().code)
         _kernel_counts["compiled"] += 1
     return library.get_cufunc().kernel
 
@@ -209,6 +210,7 @@ def copy_rows(dst, dst_row: int, src, src_row: int, rows: int, stream) -> None:
 
 if not SIMULATOR:
     from cuda.core import LaunchConfig as _LaunchConfig
+    from cuda.core import ObjectCode as _ObjectCode
     from cuda.core import launch as _core_launch
     from numba.cuda.cudadrv.devicearray import DeviceNDArray as _DeviceNDArray
 
