@@ -25,7 +25,7 @@ from planner.architecture import HParams
 from planner.kv import KVType, row_bytes
 
 PASS_KINDS = ("prefill", "decode", "draft")
-ATTENTION_SPLITS = 64   # page sets a decode/draft window's attention is split into
+ATTENTION_SPLITS = 64   # tile sets a decode/draft window's attention is split into
 ACTIVATION_BYTES = 4    # float32 activations
 INDEX_BYTES = 4         # int32 token and expert ids
 
@@ -92,8 +92,8 @@ class _Builder:
             attn = self.op(p + "attention", "attention", [q, stored, "positions"], (rows, hp.n_head * hp.head_dim_v),
                            **kv_attrs)
         else:
-            # a window's few queries cannot fill the GPU: the context is split into ATTENTION_SPLITS page sets
-            # (page i in set i mod ATTENTION_SPLITS), each giving a partial softmax (max, sum, weighted V),
+            # a window's few queries cannot fill the GPU: the context is split into ATTENTION_SPLITS tile sets
+            # (attention tile i in set i mod ATTENTION_SPLITS), each giving a partial softmax (max, sum, weighted V),
             # combined in set order, so the split never depends on the context's length or the window's size
             partials = self.op(p + "attention_partials", "attention", [q, stored, "positions"],
                                (rows, hp.n_head, ATTENTION_SPLITS, hp.head_dim_v + 2), **kv_attrs)

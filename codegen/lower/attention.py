@@ -18,8 +18,9 @@ unwritten tail) are zeroed when staged and masked from the scores.
 
   prefill  out f32 (rows, n_head*dv): a block per (kv head, MAX_WINDOW rows), all pages up to its last row.
   decode   partials f32 (rows, n_head, ATTENTION_SPLITS, dv + 2) = (running max, sum of exp, weighted V sum):
-           a block per (kv head, split s) over pages s, s + 64, s + 128, ... and every row of the window, so
-           the window reads each page once; a split with no page writes (-inf, 0, 0).
+           a block per (kv head, split s) over tiles s, s + 64, s + 128, ... and every row of the window, so
+           the window reads each tile once and a short context still spreads over 64 blocks per kv head; a
+           split with no tile writes (-inf, 0, 0).
   combine  out f32 (rows, n_head*dv): the splits of each (row, head) merged in order 0..63.
 """
 
@@ -45,6 +46,7 @@ MAX_SUBSETS = 4           # token subsets the P V sums are split into (shared me
 SEGMENT = 8               # tokens per softmax segment
 SHARED_BYTES = 48 * 1024  # static shared memory a block may use
 COMBINE_MIN_THREADS = 64
+COMBINE_LOADS = 8         # split partials a combine thread has in flight
 
 
 @dataclass(frozen=True)
@@ -261,7 +263,6 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
         raise StratumError(f"attention with {group} query heads per kv head and head dims {dk}/{dv} needs "
                            f"{s.shared_bytes} bytes of shared memory per block (at most {s.shared_limit})")
     T_, PT, G, GT, KC, DT = s.tile, page_tokens, group, s.score_heads, s.dim_chunks, SCORE_DIMS
-    TPP = PT // T_
     LANES, GG, NT, TPL = s.lanes, s.head_groups, s.threads, s.tile // s.lanes
     DVT, DVC, PVR, NS, TPS = s.value_dims, s.value_chunks, s.value_roles, s.subsets, s.tile // s.subsets
     SEGL = s.segment
@@ -326,17 +327,17 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
         block = cuda.blockIdx.x
         if decode:
             kv_head = block // splits
-            first_page = block % splits
-            page_step = splits
+            first_tile = block % splits
+            tile_step = splits
             row0 = 0
             n_rows = q.shape[0]
         else:
             kv_head = block % n_head_kv
-            first_page = 0
-            page_step = 1
+            first_tile = 0
+            tile_step = 1
             row0 = (block // n_head_kv) * MAX_WINDOW
             n_rows = min(MAX_WINDOW, q.shape[0] - row0)
-        split = first_page
+        split = first_tile
         k_tile = cuda.shared.array(K_TILE, np.float32)
         v_tile = cuda.shared.array(V_TILE, np.float32)
         scratch = cuda.shared.array(SCRATCH, np.float32)
@@ -354,12 +355,10 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
         last_pos = -1
         for r in range(n_rows):
             last_pos = max(last_pos, positions[row0 + r])
-        last_page = last_pos // PT
+        last_tile = last_pos // T_
         n_tiles = 0
-        if last_pos >= 0 and first_page <= last_page:
-            n_pages = (last_page - first_page) // page_step + 1
-            in_last = (last_pos - (first_page + (n_pages - 1) * page_step) * PT) // T_ + 1
-            n_tiles = (n_pages - 1) * TPP + min(TPP, in_last)
+        if last_pos >= 0 and first_tile <= last_tile:
+            n_tiles = (last_tile - first_tile) // tile_step + 1
 
         lane = tid % LANES
         head_group = (tid // LANES) % GG
@@ -380,7 +379,7 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
         prev = cuda.local.array(ACC_REGS, np.float32)
 
         if n_tiles > 0:
-            load_page(page_table, first_page, 0, k_data, k_scales, v_data, v_scales, hk_data, hk_scales, hv_data,
+            load_page(page_table, first_tile * T_ // PT, first_tile * T_ % PT, k_data, k_scales, v_data, v_scales, hk_data, hk_scales, hv_data,
                       hv_scales, kv_head, tid, k_raw, k_raw_scales, v_raw, v_raw_scales)
         cuda.syncthreads()
         # phases end at a sync; a row's fold waits for the next phase (the next staging or the next scores)
@@ -388,7 +387,7 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
         fold_r = 0
         fold_row = 0
         for i in range(n_tiles):
-            t0 = (first_page + (i // TPP) * page_step) * PT + (i % TPP) * T_
+            t0 = (first_tile + i * tile_step) * T_
             if pending:
                 fold(out, tid, fold_r, fold_row, kv_head, split, v_chunk, v_heads, acc, prev, scratch, old_max,
                      new_max, seg_sum, run_max, run_sum)
@@ -397,7 +396,8 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
             store_k(k_raw, k_raw_scales, tid, keep, k_tile)
             store_v(v_raw, v_raw_scales, tid, keep, v_tile)
             if i + 1 < n_tiles:
-                load_page(page_table, first_page + ((i + 1) // TPP) * page_step, ((i + 1) % TPP) * T_, k_data,
+                t1 = (first_tile + (i + 1) * tile_step) * T_
+                load_page(page_table, t1 // PT, t1 % PT, k_data,
                           k_scales, v_data, v_scales, hk_data, hk_scales, hv_data, hv_scales, kv_head, tid, k_raw,
                           k_raw_scales, v_raw, v_raw_scales)
             cuda.syncthreads()
@@ -547,31 +547,51 @@ def make_attention(family: str, kv_type_name, n_head: int, n_head_kv: int, head_
 
 @functools.cache
 def make_attention_combine(n_head: int, head_dim_v: int):
-    """launch(stream, partials, out): each (row, head)'s 64 split partials merged in split order."""
+    """launch(stream, partials, out): each (row, head)'s 64 split partials merged in split order. Each split's
+    weight exp(m_s - max) and the denominator are computed once per block; the V sums are read COMBINE_LOADS
+    splits at a time (independent loads in flight, added in split order); a split that saw no tile (weight 0)
+    is skipped, which adds nothing it would not have added (its V sums are zero)."""
     dv = head_dim_v
     threads = max(dv, COMBINE_MIN_THREADS, ATTENTION_SPLITS)
-    splits = ATTENTION_SPLITS
+    splits, loads = ATTENTION_SPLITS, COMBINE_LOADS
 
     @cuda.jit
     def kernel(partials, out):
         tid = cuda.threadIdx.x
         row = cuda.blockIdx.x // n_head
         head = cuda.blockIdx.x % n_head
+        maxima = cuda.shared.array(ATTENTION_SPLITS, np.float32)
+        sums = cuda.shared.array(ATTENTION_SPLITS, np.float32)
         weights = cuda.shared.array(ATTENTION_SPLITS, np.float32)
-        top = NEG_INF
-        for s in range(splits):
-            top = max(top, partials[row, head, s, 0])
+        denominator = cuda.shared.array(1, np.float32)
         if tid < splits:
-            weights[tid] = math.exp(partials[row, head, tid, 0] - top)
+            maxima[tid] = partials[row, head, tid, 0]
+            sums[tid] = partials[row, head, tid, 1]
         cuda.syncthreads()
-        if tid < dv:
-            num = _ZERO
+        if tid < splits:
+            top = NEG_INF
+            for s in range(splits):
+                top = max(top, maxima[s])
+            weights[tid] = _ZERO if maxima[tid] == NEG_INF else math.exp(maxima[tid] - top)
+        cuda.syncthreads()
+        if tid == 0:
             den = _ZERO
             for s in range(splits):
-                w = weights[s]
-                num += w * partials[row, head, s, 2 + tid]
-                den += w * partials[row, head, s, 1]
-            out[row, head * dv + tid] = num / den
+                if weights[s] != _ZERO:
+                    den += weights[s] * sums[s]
+            denominator[0] = den
+        num = _ZERO
+        if tid < dv:
+            values = cuda.local.array(COMBINE_LOADS, np.float32)
+            for first in range(0, splits, loads):
+                for u in range(loads):
+                    values[u] = partials[row, head, first + u, 2 + tid] if weights[first + u] != _ZERO else _ZERO
+                for u in range(loads):
+                    if weights[first + u] != _ZERO:
+                        num += weights[first + u] * values[u]
+        cuda.syncthreads()
+        if tid < dv:
+            out[row, head * dv + tid] = num / denominator[0]
 
     def launch(stream, partials, out):
         if partials.shape[0]:

@@ -245,10 +245,11 @@ def converted_element_format(ggml_type: T):
 # K/V store
 
 
-# block writers: the 32 values x[row, col:col + 32] into a slot's words from `word` on (and scale `block`)
+# block writers: the 32 values x[row, col:col + 32] into a slot's words from `word` on (and scale `block`);
+# float types write one word a thread (`part`: which one), quantized ones need the whole block's maximum
 
 
-def _quantize_q8_0(x, row, col, data, scales, slot, word, block):
+def _quantize_q8_0(x, row, col, data, scales, slot, word, block, part):
     amax = _ZERO
     for e in range(QUANT_BLOCK):
         amax = max(amax, abs(x[row, col + e]))
@@ -262,7 +263,7 @@ def _quantize_q8_0(x, row, col, data, scales, slot, word, block):
     scales[slot, block] = d
 
 
-def _quantize_q4_0(x, row, col, data, scales, slot, word, block):
+def _quantize_q4_0(x, row, col, data, scales, slot, word, block, part):
     amax = _ZERO
     signed_max = _ZERO
     for e in range(QUANT_BLOCK):
@@ -281,31 +282,34 @@ def _quantize_q4_0(x, row, col, data, scales, slot, word, block):
     scales[slot, block] = d
 
 
-def _store_f32(x, row, col, data, scales, slot, word, block):
-    for e in range(QUANT_BLOCK):
-        data[slot, word + e] = f32_to_bits(x[row, col + e])
+def _store_f32(x, row, col, data, scales, slot, word, block, part):
+    data[slot, word + part] = f32_to_bits(x[row, col + part])
 
 
-def _store_f16(x, row, col, data, scales, slot, word, block):
-    for w in range(QUANT_BLOCK // 2):
-        data[slot, word + w] = _f32_to_half(x[row, col + 2 * w]) | (_f32_to_half(x[row, col + 2 * w + 1]) << 16)
+def _store_f16(x, row, col, data, scales, slot, word, block, part):
+    data[slot, word + part] = _f32_to_half(x[row, col + 2 * part]) | (_f32_to_half(x[row, col + 2 * part + 1]) << 16)
 
 
 _BLOCK_WRITERS = {T.F32: _store_f32, T.F16: _store_f16, T.Q8_0: _quantize_q8_0, T.Q4_0: _quantize_q4_0}
+_WRITER_PARTS = {T.F32: QUANT_BLOCK, T.F16: QUANT_BLOCK // 2, T.Q8_0: 1, T.Q4_0: 1}   # threads per block
 
 
 @functools.cache
 def _block_store(ggml_type: T, n_head_kv: int, head_dim: int, page_tokens: int):
-    """store(i, x, positions, page_table, data, scales, host_data, host_scales, through): block i (row, kv head,
-    32 values) of x, written (quantized) into its position's page: in the slot the page table gives (none
-    when -1), and when `through`, into the host copy's page too (the same bits)."""
+    """(store, parts): store(i, x, positions, page_table, data, scales, host_data, host_scales, through) writes
+    part i % parts of block i // parts (row, kv head, 32 values) of x (quantized) into its position's page: in
+    the slot the page table gives (none when -1), and when `through`, into the host copy's page too (the same
+    bits)."""
     ggml_type = T(ggml_type)
     blocks = head_dim // QUANT_BLOCK
+    parts = _WRITER_PARTS[ggml_type]
     block_words = QUANT_BLOCK // ELEMENTS_PER_WORD[ggml_type]
     write = cuda.jit(device=True, inline=True)(_BLOCK_WRITERS[ggml_type])
 
     @cuda.jit(device=True, inline=True)
-    def store(i, x, positions, page_table, data, scales, host_data, host_scales, through):
+    def store(unit, x, positions, page_table, data, scales, host_data, host_scales, through):
+        i = unit // parts
+        part = unit % parts
         row = i // (n_head_kv * blocks)
         head = (i // blocks) % n_head_kv
         block = i % blocks
@@ -314,10 +318,11 @@ def _block_store(ggml_type: T, n_head_kv: int, head_dim: int, page_tokens: int):
         page = pos // page_tokens
         slot = page_table[page]
         if slot >= 0:
-            write(x, row, head * head_dim + block * QUANT_BLOCK, data, scales, slot, at * block_words, at)
+            write(x, row, head * head_dim + block * QUANT_BLOCK, data, scales, slot, at * block_words, at, part)
         if through:
-            write(x, row, head * head_dim + block * QUANT_BLOCK, host_data, host_scales, page, at * block_words, at)
-    return store
+            write(x, row, head * head_dim + block * QUANT_BLOCK, host_data, host_scales, page, at * block_words, at,
+                  part)
+    return store, parts
 
 
 @functools.cache
@@ -325,13 +330,13 @@ def make_kv_store(kv_type_name, n_head_kv: int, head_dim_k: int, head_dim_v: int
     """launch(stream, k, v, positions, page_table, pages, host_pages=None): k f32 (rows, n_kv*dk) and v f32
     (rows, n_kv*dv) at int32 `positions` into their pages (quantized bit-exactly as gguf-py does): each page
     into the slot page_table gives, and with `host_pages` (the whole context's pages, page p at index p, in
-    mapped host memory) into the host copy too; a thread per 32 values."""
+    mapped host memory) into the host copy too; a thread per 32 values quantized, per word of f16 or f32."""
     kv = kv_types(kv_type_name)
     check_head_dims(head_dim_k=head_dim_k, head_dim_v=head_dim_v)
-    store_k = _block_store(kv.k_type, n_head_kv, head_dim_k, page_tokens)
-    store_v = _block_store(kv.v_type, n_head_kv, head_dim_v, page_tokens)
-    k_blocks = n_head_kv * head_dim_k // QUANT_BLOCK
-    v_blocks = n_head_kv * head_dim_v // QUANT_BLOCK
+    store_k, k_parts = _block_store(kv.k_type, n_head_kv, head_dim_k, page_tokens)
+    store_v, v_parts = _block_store(kv.v_type, n_head_kv, head_dim_v, page_tokens)
+    k_blocks = n_head_kv * head_dim_k // QUANT_BLOCK * k_parts      # threads per row
+    v_blocks = n_head_kv * head_dim_v // QUANT_BLOCK * v_parts
 
     @cuda.jit
     def kernel(k, v, positions, page_table, k_data, k_scales, v_data, v_scales, hk_data, hk_scales, hv_data,

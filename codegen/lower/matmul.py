@@ -188,13 +188,18 @@ def chunk_words(fmt: Format) -> int:
     return 1 if fmt.vpw == 8 else 2
 
 
+LANES_IN_FLIGHT = 192 * 1024    # lanes whose loads keep the H200's memory busy (~4.4 TB/s x ~1 us of latency)
+
+
 def group_threads(fmt: Format, n_in: int, n_out: int) -> int:
-    """Lanes per row group: a warp, or up to 128 when a matrix has too few rows to give 1024 warps two rows
-    each (never more than a row has chunks). A function of the matrix alone: a row's sum is then computed in
-    the same order whatever window the kernel serves."""
+    """Lanes per row group: a warp, or up to 128 while a matrix has too few rows to give LANES_IN_FLIGHT
+    lanes two rows each (never more than a row has chunks): a short matrix's rows are then read in fewer,
+    wider rounds of loads (4096 x 4096 Q8_0: 16.3 us at 32 lanes, 10.7 us at 128; 12288 x 4096 is best at
+    32; BENCHMARKS.md's sweep). A function of the matrix alone: a row's sum is then computed in the same
+    order whatever window the kernel serves."""
     chunks = n_in // fmt.vpw // chunk_words(fmt)
     tg = 32
-    while tg < 128 and tg < chunks and -(-n_out // 2) * tg < 32 * 1024:
+    while tg < 128 and tg < chunks and -(-n_out // 2) * tg < LANES_IN_FLIGHT:
         tg *= 2
     return tg
 

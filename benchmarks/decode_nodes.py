@@ -1,0 +1,89 @@
+"""Where a decode step's time goes: the resident plan's decode pass (Qwen3-30B-A3B's shape at Q8_0, as in
+`benchmarks/e2e.py`) with an event between every two nodes, queued while a spinning kernel holds the GPU (so the
+nodes run back to back, as in the replayed graph); each node's median time, its share of the step, and the
+totals by kind of node. The step runs after a prompt, so attention reads that many positions.
+
+    NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/decode_nodes.py --layers 6 --prompt-tokens 1984
+"""
+
+import argparse
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.ceilings import read_bandwidth_bytes_per_s, time_s
+from benchmarks.e2e import CONTEXT, reduced_card
+from codegen.lower.cuda import CapturedGraph, cuda, device_name
+from planner.search import solve
+from planner.workload import Workload
+from runtime.engine import Engine
+from runtime.synthetic import realistic_weights
+
+
+@cuda.jit
+def _spin(microseconds):
+    for _ in range(microseconds):
+        cuda.nanosleep(1000)
+
+
+def node_times_us(engine, repeats: int) -> tuple[list, np.ndarray, float]:
+    """(steps, [repeats, nodes] microseconds, whole step's replay seconds without events)."""
+    program = engine._program("decode", 1)
+    steps, stream = program.steps, engine.compute
+    events = [cuda.event() for _ in range(len(steps) + 1)]
+    times = np.empty((repeats, len(steps)))
+    for r in range(repeats):
+        _spin[1, 1, stream](20000)
+        events[0].record(stream)
+        for step, after in zip(steps, events[1:]):
+            step.run(stream)
+            after.record(stream)
+        stream.synchronize()
+        times[r] = [cuda.event_elapsed_time(a, b) * 1e3 for a, b in zip(events, events[1:])]
+    plain = CapturedGraph(lambda s: [step.run(s) for step in steps], stream)
+    try:
+        whole_s = time_s(lambda: plain.replay(stream), repeats=repeats, warmup=2)
+    finally:
+        plain.close()
+    return steps, times, whole_s
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--prompt-tokens", type=int, default=1984)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    read = read_bandwidth_bytes_per_s()
+    print(f"{device_name()}: read {read / 1e12:.2f} TB/s")
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        card = reduced_card(args.layers, Path(tmp))
+        workload = Workload(prompts=((args.prompt_tokens, 1.0),), decode_tokens=8)
+        plan = solve("h200-141g", card, context=CONTEXT, kv="f16", workload=workload)
+        with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0)) as engine:
+            engine.generate(rng.integers(0, engine.hp.n_vocab, size=args.prompt_tokens).tolist(), 2)
+            steps, times, whole_s = node_times_us(engine, args.repeats)
+            graph = engine._program("decode", 1).graph
+    median = np.median(times, axis=0)
+    total = median.sum()
+    print(f"decode step after {args.prompt_tokens} tokens, {args.layers} blocks: {len(steps)} nodes, "
+          f"{total:.1f} us with events between nodes, {whole_s * 1e6:.1f} us replayed without")
+    print("| node | op | us | share |")
+    print("| --- | --- | ---: | ---: |")
+    by_op = defaultdict(float)
+    for step, us in zip(steps, median):
+        op = graph.nodes[step.name]["op"]
+        by_op[op] += us
+        if not step.name.startswith("blk.") or step.name.startswith("blk.0."):
+            print(f"| {step.name} | {op} | {us:.1f} | {us / total:.1%} |")
+    print("\n| op (every block) | us | share |")
+    print("| --- | ---: | ---: |")
+    for op, us in sorted(by_op.items(), key=lambda item: -item[1]):
+        print(f"| {op} | {us:.1f} | {us / total:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
