@@ -45,8 +45,8 @@ VALUE_DIMS = 4            # dims of the output a P V thread sums (more when the 
 MAX_SUBSETS = 4           # token subsets the P V sums are split into (shared memory bounds it)
 SEGMENT = 8               # tokens per softmax segment
 SHARED_BYTES = 48 * 1024  # static shared memory a block may use
-COMBINE_MIN_THREADS = 64
-COMBINE_LOADS = 8         # split partials a combine thread has in flight
+COMBINE_THREADS = 1024    # at most, per combine block: (dim, run of splits) threads
+WARP_THREADS = 32
 
 
 @dataclass(frozen=True)
@@ -547,13 +547,17 @@ def make_attention(family: str, kv_type_name, n_head: int, n_head_kv: int, head_
 
 @functools.cache
 def make_attention_combine(n_head: int, head_dim_v: int):
-    """launch(stream, partials, out): each (row, head)'s 64 split partials merged in split order. Each split's
-    weight exp(m_s - max) and the denominator are computed once per block; the V sums are read COMBINE_LOADS
-    splits at a time (independent loads in flight, added in split order); a split that saw no tile (weight 0)
-    is skipped, which adds nothing it would not have added (its V sums are zero)."""
-    dv = head_dim_v
-    threads = max(dv, COMBINE_MIN_THREADS, ATTENTION_SPLITS)
-    splits, loads = ATTENTION_SPLITS, COMBINE_LOADS
+    """launch(stream, partials, out): each (row, head)'s 64 split partials merged in split order, a block per
+    (row, head). Its threads take (dim, run of splits): every V sum the block needs is loaded at once, before
+    the splits' weights exp(m_s - max) are known (one round of memory latency, not one per split); each thread
+    adds its run in split order, then one thread per dim adds the runs in order. A split that saw no tile
+    (weight 0) is skipped, which adds nothing it would not have added (its V sums are zero)."""
+    dv, splits = head_dim_v, ATTENTION_SPLITS
+    runs = 1
+    while 2 * runs * dv <= COMBINE_THREADS and splits % (2 * runs) == 0:
+        runs *= 2
+    per_run = splits // runs
+    threads = max(runs * dv, WARP_THREADS)
 
     @cuda.jit
     def kernel(partials, out):
@@ -563,34 +567,42 @@ def make_attention_combine(n_head: int, head_dim_v: int):
         maxima = cuda.shared.array(ATTENTION_SPLITS, np.float32)
         sums = cuda.shared.array(ATTENTION_SPLITS, np.float32)
         weights = cuda.shared.array(ATTENTION_SPLITS, np.float32)
+        run_sums = cuda.shared.array((runs, dv), np.float32)
         denominator = cuda.shared.array(1, np.float32)
-        if tid < splits:
-            maxima[tid] = partials[row, head, tid, 0]
-            sums[tid] = partials[row, head, tid, 1]
+        d = tid % dv
+        run = tid // dv
+        values = cuda.local.array(per_run, np.float32)
+        if run < runs:
+            for u in range(per_run):
+                values[u] = partials[row, head, run * per_run + u, 2 + d]
+        for s in range(tid, splits, threads):
+            maxima[s] = partials[row, head, s, 0]
+            sums[s] = partials[row, head, s, 1]
         cuda.syncthreads()
-        if tid < splits:
+        for s in range(tid, splits, threads):
             top = NEG_INF
-            for s in range(splits):
-                top = max(top, maxima[s])
-            weights[tid] = _ZERO if maxima[tid] == NEG_INF else math.exp(maxima[tid] - top)
+            for t in range(splits):
+                top = max(top, maxima[t])
+            weights[s] = _ZERO if maxima[s] == NEG_INF else math.exp(maxima[s] - top)
         cuda.syncthreads()
         if tid == 0:
             den = _ZERO
-            for s in range(splits):
-                if weights[s] != _ZERO:
-                    den += weights[s] * sums[s]
+            for t in range(splits):
+                if weights[t] != _ZERO:
+                    den += weights[t] * sums[t]
             denominator[0] = den
-        num = _ZERO
-        if tid < dv:
-            values = cuda.local.array(COMBINE_LOADS, np.float32)
-            for first in range(0, splits, loads):
-                for u in range(loads):
-                    values[u] = partials[row, head, first + u, 2 + tid] if weights[first + u] != _ZERO else _ZERO
-                for u in range(loads):
-                    if weights[first + u] != _ZERO:
-                        num += weights[first + u] * values[u]
+        if run < runs:
+            part = _ZERO
+            for u in range(per_run):
+                w = weights[run * per_run + u]
+                if w != _ZERO:
+                    part += w * values[u]
+            run_sums[run, d] = part
         cuda.syncthreads()
         if tid < dv:
+            num = _ZERO
+            for r in range(runs):
+                num += run_sums[r, tid]
             out[row, head * dv + tid] = num / denominator[0]
 
     def launch(stream, partials, out):
