@@ -67,13 +67,13 @@ class Setup:
                self.d_table, self.pages, out, host_pages)
         return out.copy_to_host()
 
-    def decode(self, positions, tuning=att.TUNING, host_pages=None):
+    def decode(self, positions, tuning=att.TUNING, host_pages=None, window=0):
         """(partials, combined output) of one decode window at `positions`."""
         rows = len(positions)
         partials = cuda.to_device(np.full((rows, self.n_head, ATTENTION_SPLITS, self.dv + 2), np.nan, np.float32))
         out = cuda.to_device(np.full((rows, self.n_head * self.dv), np.nan, np.float32))
         launch = att._attention_launch("decode", self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv,
-                                       self.page_tokens, tuning)
+                                       self.page_tokens, tuning, window)
         launch(0, cuda.to_device(self.q[positions - self.q_from]), cuda.to_device(positions.astype(np.int32)),
                self.d_table, self.pages, partials, host_pages)
         att.make_attention_combine(self.n_head, self.dv)(0, partials, out)
@@ -289,11 +289,33 @@ def test_decode_splits_take_every_64th_page(rng):
     assert np.isfinite(partials).all()        # every split holds a page: splits 0..2 hold two
 
 
+def test_a_drafters_window_reads_only_its_last_positions(rng):
+    """window_tokens W: the row at p attends p - W + 1 .. p, as if nothing older existed, also when the table
+    marks the pages wholly older than every row's window missing (a drafter's ring has no host copy); a window
+    of rows gives each row's single-step bits."""
+    width, ctx = 13, 70
+    setup = Setup(rng, "f16", ctx, n_head=2, n_head_kv=1)
+    positions = np.arange(ctx - 4, ctx)
+    oldest_page = (positions[0] - width + 1) // setup.page_tokens
+    missing = np.arange(len(setup.table)) < oldest_page
+    setup.d_table = cuda.to_device(np.where(missing, -1, setup.table).astype(np.int32))
+    _, got = setup.decode(positions, window=width)
+    for row, p in enumerate(positions):
+        first = p - width + 1
+        want = attention(setup.q[p][None], setup.k_ref[first:p + 1], setup.v_ref[first:p + 1], np.array([width - 1]),
+                         setup.n_head, setup.n_head_kv)
+        assert _relative(got[row:row + 1], want) < TOLERANCE
+        _, single = setup.decode(np.array([p]), window=width)
+        np.testing.assert_array_equal(got[row], single[0])
+
+
 def test_decode_refuses_windows_over_the_maximum(rng):
     launch = att.make_attention("decode", "f16", 2, 1, 32, 32, 4)
     q = cuda.to_device(np.zeros((MAX_WINDOW + 1, 64), np.float32))
     with pytest.raises(ValueError, match="at most"):
         launch(0, q, None, None, None, None)
+    with pytest.raises(ValueError, match="window_tokens"):
+        att.make_attention("decode", "f16", 2, 1, 32, 32, 4, window_tokens=-1)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -255,8 +255,9 @@ def _outputs(decode: bool, group: int, dv: int, threads: int):
 
 @functools.cache
 def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, dv: int, page_tokens: int,
-                      n_head_kv: int, tuning: Tuning):
-    """The attention kernel and its block's thread count (module doc)."""
+                      n_head_kv: int, tuning: Tuning, window: int = 0):
+    """The attention kernel and its block's thread count (module doc); window > 0: a row at position p reads
+    positions p - window + 1 .. p only (tiles wholly before every row's window are not read)."""
     s = _shape(group, dk, dv, page_tokens, tuning)
     hold_q = tuning.hold_q
     if s.shared_bytes > s.shared_limit:
@@ -327,17 +328,16 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
         block = cuda.blockIdx.x
         if decode:
             kv_head = block // splits
-            first_tile = block % splits
+            split = block % splits
             tile_step = splits
             row0 = 0
             n_rows = q.shape[0]
         else:
             kv_head = block % n_head_kv
-            first_tile = 0
+            split = 0
             tile_step = 1
             row0 = (block // n_head_kv) * MAX_WINDOW
             n_rows = min(MAX_WINDOW, q.shape[0] - row0)
-        split = first_tile
         k_tile = cuda.shared.array(K_TILE, np.float32)
         v_tile = cuda.shared.array(V_TILE, np.float32)
         scratch = cuda.shared.array(SCRATCH, np.float32)
@@ -353,9 +353,16 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
             run_sum[e] = _ZERO
 
         last_pos = -1
+        first_pos = 1 << 30
         for r in range(n_rows):
             last_pos = max(last_pos, positions[row0 + r])
+            first_pos = min(first_pos, positions[row0 + r])
         last_tile = last_pos // T_
+        first_tile = split
+        if window:      # the split's first tile that some row's window reaches
+            window_tile = max(first_pos - window + 1, 0) // T_
+            if window_tile > split:
+                first_tile = split + -(-(window_tile - split) // tile_step) * tile_step
         n_tiles = 0
         if last_pos >= 0 and first_tile <= last_tile:
             n_tiles = (last_tile - first_tile) // tile_step + 1
@@ -404,7 +411,7 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
             for r in range(n_rows):
                 row = row0 + r
                 pos = positions[row]
-                if pos >= t0:
+                if pos >= t0 and (window == 0 or t0 + T_ > pos - window + 1):
                     if pending:
                         fold(out, tid, fold_r, fold_row, kv_head, split, v_chunk, v_heads, acc, prev, scratch,
                              old_max, new_max, seg_sum, run_max, run_sum)
@@ -436,7 +443,7 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
                             for c in range(KC):
                                 score += scratch[_ix((c * G + g) * T_ + t)]
                             score = score * scale
-                            if t0 + t > pos:
+                            if t0 + t > pos or (window and t0 + t <= pos - window):
                                 score = NEG_INF
                             probs[_ix(g * T_ + t)] = score
                             top = max(top, score)
@@ -508,12 +515,12 @@ def _check_attention(family: str, n_head: int, n_head_kv: int, head_dim_k: int, 
 
 
 def _attention_launch(family: str, kv_type_name, n_head: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
-                      page_tokens: int, tuning: Tuning):
+                      page_tokens: int, tuning: Tuning, window: int = 0):
     kv = kv_types(kv_type_name)
     _check_attention(family, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens)
     decode = family == "decode"
     kernel, shape = _attention_kernel(decode, kv.k_type, kv.v_type, n_head // n_head_kv, head_dim_k, head_dim_v,
-                                      page_tokens, n_head_kv, tuning)
+                                      page_tokens, n_head_kv, tuning, window)
     threads = shape.threads
 
     def launch(stream, q, positions, page_table, pages, out, host_pages=None):
@@ -536,13 +543,17 @@ def _attention_launch(family: str, kv_type_name, n_head: int, n_head_kv: int, he
 
 @functools.cache
 def make_attention(family: str, kv_type_name, n_head: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
-                   page_tokens: int):
+                   page_tokens: int, window_tokens: int = 0):
     """prefill: launch(stream, q, positions, page_table, pages, out, host_pages=None); decode: launch(stream,
     q, positions, page_table, pages, partials, host_pages=None). q f32 (rows, n_head*dk) with RoPE applied,
     at int32 `positions`, reads the positions 0..p already stored: a page from its slot, or from `host_pages`
     (the whole context in mapped host memory, page p at index p) when the page table says -1; out f32
-    (rows, n_head*dv); partials f32 (rows, n_head, 64, dv + 2)."""
-    return _attention_launch(family, kv_type_name, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens, TUNING)
+    (rows, n_head*dv); partials f32 (rows, n_head, 64, dv + 2). window_tokens > 0: a row at position p reads
+    only positions p - window_tokens + 1 .. p (the drafter's window: its ring holds no older pages)."""
+    if window_tokens < 0:
+        raise ValueError(f"window_tokens {window_tokens}: 0 (the whole context) or more")
+    return _attention_launch(family, kv_type_name, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens, TUNING,
+                             window_tokens)
 
 
 @functools.cache
