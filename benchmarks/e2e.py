@@ -107,7 +107,7 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
         stats = engine.stats()
         streamed = stats["expert_bytes_copied"] - copied
         step_s = out.decode_s / (len(out.tokens) - 1)
-        graph_s = time_s(lambda: engine.decode_graph.replay(engine.compute), repeats=20, warmup=2)
+        graph_s = time_s(lambda: engine.graphs["decode", 1].replay(engine.compute), repeats=20, warmup=2)
     finally:
         engine.close()
     dense, experts = active_bytes(model)

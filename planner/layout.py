@@ -66,14 +66,18 @@ def drafter_tensor_names(model, cls: str) -> list[str]:
     return [t.name for t in model.tensors if model.tensor_class[t.name] == cls]
 
 
-def table_sizes(full_pages: int, n_expert: int, moe_blocks) -> dict:
+def table_sizes(full_pages: int, n_expert: int, moe_blocks, drafter: bool = False) -> dict:
     """The runtime's device tables on one GPU, name -> bytes, carved in this order on aligned offsets: the
-    page table (logical K/V page -> ring slot, shared by every block), and per MoE block the expert-slot
-    tables decode and prefill read (expert -> VRAM slot, or -1 for the host copy)."""
+    page table (logical K/V page -> ring slot, shared by every block), per MoE block the expert-slot tables
+    decode and prefill read (expert -> VRAM slot, or -1 for the host copy), and with the drafter its own page
+    table (its ring) and its expert table (every expert in place: expert e in slot e)."""
     sizes = {"page_table": 4 * full_pages}
     for block in moe_blocks:
         sizes[f"blk.{block}.decode_slots"] = 4 * n_expert
         sizes[f"blk.{block}.prefill_slots"] = 4 * n_expert
+    if drafter:
+        sizes["drafter_page_table"] = 4 * full_pages
+        sizes["drafter_slots"] = 4 * n_expert
     return sizes
 
 
@@ -81,7 +85,7 @@ def fixed_region_sizes(model, blocks, first: bool, last: bool, mtp: bool, full_p
     """The regions whose size no knob changes: a GPU's dense weights and tables, and the drafter's on the
     last GPU."""
     moe_blocks = [b for b in blocks if model.hparams.is_moe_layer(b)]
-    tables = table_sizes(full_pages, model.hparams.n_expert, moe_blocks)
+    tables = table_sizes(full_pages, model.hparams.n_expert, moe_blocks, drafter=mtp and last)
     sizes = {"dense": tensors_bytes(model, dense_tensor_names(model, blocks, first, last)),
              "tables": sum(aligned(size) for size in tables.values())}
     if mtp and last:

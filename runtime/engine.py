@@ -8,9 +8,11 @@
 Start: the plan's bytes as one device allocation (`runtime.arena`), carved into its regions: dense weights,
 the K/V ring (page p in slot p mod pages, and a host copy of the whole context when the ring is shorter:
 `runtime.kv_ring`), expert slots and the experts' host copy (`runtime.experts`), the activation arena, the
-tables. Then kernels compile (a warm-up prompt and step) and the decode step is captured as a CUDA
-graph. A request reads its prompt in chunks of the plan's size (each block's routed experts streamed through
-the prefill ring), then decodes step by step by replaying the graph.
+tables; with the plan's MTP drafter, its tensors, experts and K/V ring (`runtime.drafter`). Then kernels
+compile (a warm-up prompt and step) and the decode step is captured as a CUDA graph. A request reads its
+prompt in chunks of the plan's size (each block's routed experts streamed through the prefill ring), then
+decodes by replaying captured graphs: a step at a time, or with drafting (`draft_depth` n > 0, greedy) n draft
+steps of the drafter and one verify window of 1 + n rows, whose greedy tokens are bitwise a step's.
 
 Conversations: the K/V of the last request's prompt stays in the ring; a request of the same conversation
 whose prompt starts with it reads only the rest. Only prompt positions are reused: generated tokens' K/V was
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from codegen.lower import MAX_WINDOW
 from codegen.lower.cuda import SIMULATOR, CapturedGraph, copy_rows, cuda, kernel_counts
 from codegen.lower.program import arena_layout, lower
 from codegen.lower.weights import iter_gguf
@@ -33,6 +36,7 @@ from planner.kv import parse_kv_type
 from planner.layout import table_sizes
 from planner.model import load_model
 from runtime.arena import DeviceArena
+from runtime.drafter import Drafter, accepted_drafts
 from runtime.experts import MATRICES, REFRESH_STEPS, ExpertStore
 from runtime.kv_ring import KVRing
 from runtime.progress import Progress
@@ -89,13 +93,22 @@ class Engine:
         self._carve_tables(settings["context_tokens"])
         self.kv_ring = KVRing(self.arena, self.tables["page_table"], self.kv, self.hp, self.knobs["kv_pages"],
                               self.knobs["page_tokens"], settings["context_tokens"], self.progress)
+        self.drafter = None
+        if self._has_drafter():
+            self.drafter = Drafter(self.arena, self.tables, self.kv, self.hp, self.knobs, settings["context_tokens"],
+                                   self.progress)
+        self.draft_depth = self.knobs.get("draft_depth", 0) if self.drafter else 0
         self._load_weights(tensors)
-        self.programs, self.decode_graph = {}, None
-        self.decode_ids = cuda.pinned_array((len(self.moe_blocks), 1, self.hp.n_expert_used), np.int32)
-        self.staging = cuda.pinned_array((2, self.chunk_tokens), np.int32)
-        # pinned destinations of the routed ids prefill reads back per block, and of decode's greedy token
+        self.programs, self.graphs = {}, {}
+        self.decode_ids = cuda.pinned_array((len(self.moe_blocks), MAX_WINDOW, self.hp.n_expert_used), np.int32)
+        self.staging = cuda.pinned_array((3, self.chunk_tokens), np.int32)
+        # pinned destinations of the routed ids prefill reads back per block, of a window's greedy tokens and
+        # of the hidden states the drafter reads (a verify window's rows; the one the next draft step takes)
         self.routed_ids = cuda.pinned_array((self.chunk_tokens, self.hp.n_expert_used), np.int32)
-        self.greedy = cuda.pinned_array(1, np.int32)
+        self.greedy = cuda.pinned_array(MAX_WINDOW, np.int32)
+        self.hiddens = cuda.pinned_array((MAX_WINDOW, self.hp.n_embd), np.float32)
+        self.hidden = cuda.pinned_array((1, self.hp.n_embd), np.float32)
+        self.hidden[:] = 0
         self.kv_owner = None            # (conversation, prompt tokens whose K/V the ring holds)
         self.totals = _Totals()
         self._warm_up()
@@ -104,11 +117,16 @@ class Engine:
     # ---------------------------------------------------------------------------------------------------
     # start
 
+    def _has_drafter(self) -> bool:
+        """Whether the plan runs the MTP drafter (it made room for it: the model has a NextN layer and
+        speculative decoding is on)."""
+        return bool(self.plan.settings.get("mtp")) and self.hp.n_nextn > 0 and self.arena.has("drafter_kv")
+
     def _carve_tables(self, context_tokens: int) -> None:
         full_pages = -(-context_tokens // self.knobs["page_tokens"])
         carver = self.arena.carver("tables")
-        self.tables = {name: carver.array((size // 4,), np.int32)
-                       for name, size in table_sizes(full_pages, self.hp.n_expert, self.moe_blocks).items()}
+        sizes = table_sizes(full_pages, self.hp.n_expert, self.moe_blocks, drafter=self._has_drafter())
+        self.tables = {name: carver.array((size // 4,), np.int32) for name, size in sizes.items()}
 
     def _expert_shapes(self) -> dict:
         shapes = {}
@@ -131,7 +149,8 @@ class Engine:
                                    self.refresh_steps)
         dense = self.arena.carver("dense")
         self.weights = {}
-        total = sum(t.n_bytes for t in self.model.tensors if self.model.tensor_class[t.name] in ("dense", "expert"))
+        loaded = ("dense", "expert", "drafter_dense", "drafter_expert") if self.drafter else ("dense", "expert")
+        total = sum(t.n_bytes for t in self.model.tensors if self.model.tensor_class[t.name] in loaded)
         self.progress.start("loading weights" + (" (host copy of the experts pinned)" if self.experts.needs_host
                                                  else ""), total, "B")
         for name, packed in tensors:
@@ -140,8 +159,11 @@ class Engine:
                 self.weights[name] = dense.weight(packed)
             elif kind == "expert":
                 self.experts.load(tensor_layer(name), name.split(".")[2], packed)
+            elif self.drafter is not None:
+                self.drafter.load(name, kind, packed)
+                self.weights[name] = self.drafter.weights[name]
             else:
-                continue        # the drafter's tensors: speculative decoding is not run yet
+                continue        # the drafter's tensors, in a plan without speculative decoding
             self.progress.advance(packed.nbytes)
         for block in self.moe_blocks:
             for matrix in MATRICES:
@@ -151,15 +173,19 @@ class Engine:
         self.progress.finish()
 
     def _warm_up(self) -> None:
-        """Compile every kernel and capture the decode step (a GPU compiles in seconds; the simulator has
-        nothing to compile or capture, so it skips the two extra passes)."""
+        """Compile every kernel and capture the decode step, and with the drafter a draft step and a verify
+        window of the plan's depth (a GPU compiles in seconds, or loads its kernels from the disk cache; the
+        simulator has nothing to compile or capture, so it skips the extra passes)."""
         if SIMULATOR:
             return
-        self.progress.start("compiling kernels and capturing the decode step", 2)
+        self.progress.start("compiling kernels and capturing the decode step", 3 if self.draft_depth else 2)
         self._prefill([0], 0)
         self.progress.advance()
-        self._decode_step(0, 0)
+        self._verify([0], 0)
         self.progress.advance()
+        if self.draft_depth:
+            self._verify([0] + self._draft(0, 0, self.draft_depth), 1)
+            self.progress.advance()
         self.kv_owner = None
         self.progress.finish()
 
@@ -175,37 +201,59 @@ class Engine:
             if kind == "prefill" and tokens != self.chunk_tokens:
                 for old in [k for k in self.programs if k[0] == "prefill" and k[1] != self.chunk_tokens]:
                     del self.programs[old]
-            graph, arena_bytes, offsets = arena_layout(self.model, kind, tokens, self.kv)
+            with_drafter = self.drafter is not None
+            graph, arena_bytes, offsets = arena_layout(self.model, kind, tokens, self.kv, with_drafter)
             region = self.arena.regions["arena"]
             if arena_bytes > region.bytes:
                 raise StratumError(f"a {kind} pass of {tokens} tokens needs {arena_bytes} arena bytes; the plan "
-                                   f"gives {region.bytes}: the plan was made for another chunk size")
+                                   f"gives {region.bytes}: the plan was made for another chunk size or draft depth")
             arena = self.arena.memory[region.offset:region.offset + arena_bytes]
             tables = self.experts.prefill_tables if kind == "prefill" else self.experts.decode_tables
             host = {block: self.experts.host_weights(block) for block in self.experts.blocks}
             ring = self.kv_ring
-            page_tables = {layer: ring.page_table for layer in ring.pages}
-            self.programs[key] = lower(graph, self.hp, self.weights, ring.pages, page_tables, arena, offsets,
-                                       expert_slots=tables, host_experts=host, host_kv=ring.host)
+            kv_pages, page_tables = dict(ring.pages), {layer: ring.page_table for layer in ring.pages}
+            windows = {}
+            if with_drafter:
+                drafter = self.drafter.lowering()
+                kv_pages.update(drafter["kv_pages"])
+                page_tables.update(drafter["page_tables"])
+                tables = {**tables, **drafter["expert_slots"]}
+                windows = drafter["attention_windows"]
+            self.programs[key] = lower(graph, self.hp, self.weights, kv_pages, page_tables, arena, offsets,
+                                       expert_slots=tables, host_experts=host, host_kv=ring.host,
+                                       attention_windows=windows)
         return self.programs[key]
 
-    def _inputs(self, program, token_ids, start: int) -> None:
-        """A pass's token ids and positions, copied from pinned staging (an asynchronous copy: every pass
-        ends in a host sync, so the staging is free again before the next pass writes it)."""
+    def _inputs(self, program, token_ids, start: int, next_ids=None) -> None:
+        """A pass's token ids and positions (and, for a prompt pass with the drafter, each row's next token),
+        copied from pinned staging (an asynchronous copy: every pass ends in a host sync, so the staging is
+        free again before the next pass writes it)."""
         n = len(token_ids)
         self.staging[0, :n] = token_ids
         self.staging[1, :n] = np.arange(start, start + n, dtype=np.int32)
         copy_rows(program.tensors["token_ids"], 0, self.staging[0], 0, n, self.compute)
         copy_rows(program.tensors["positions"], 0, self.staging[1], 0, n, self.compute)
+        if next_ids is not None:
+            self.staging[2, :n] = next_ids
+            copy_rows(program.tensors["next_token_ids"], 0, self.staging[2], 0, n, self.compute)
 
     def _prefill(self, token_ids, start: int) -> np.ndarray:
-        """Read positions start.. in chunks of the plan's size; the last position's logits."""
+        """Read positions start.. in chunks of the plan's size; the last position's logits. With the drafter,
+        each chunk stores the drafter's K/V too (row q with the token at q + 1; the last row's is not known
+        yet: 0, stored again by the first draft step), and the last position's hidden state is kept for it."""
         for begin in range(0, len(token_ids), self.chunk_tokens):
             piece = token_ids[begin:begin + self.chunk_tokens]
             program = self._program("prefill", len(piece))
             self.kv_ring.claim(start + begin, start + begin + len(piece), self.compute)
-            self._inputs(program, piece, start + begin)
+            next_ids = None
+            if self.drafter is not None:
+                next_ids = list(token_ids[begin + 1:begin + len(piece) + 1])
+                next_ids += [0] * (len(piece) - len(next_ids))
+                self.drafter.ring.claim(start + begin, start + begin + len(piece), self.compute)
+            self._inputs(program, piece, start + begin, next_ids)
             self._run_prefill(program)
+        if self.drafter is not None:
+            copy_rows(self.hidden, 0, program.tensors["hidden_out"], len(piece) - 1, 1, self.compute)
         logits = program.tensors["logits"].copy_to_host(stream=self.compute)
         self.compute.synchronize()
         return logits[-1]
@@ -231,39 +279,71 @@ class Engine:
                 down.launch(self.compute, *down.args, lo=lo, hi=hi)
             self.experts.stream_block(block, ids, self.compute, run_batch)
 
-    def _enqueue_decode(self, stream) -> None:
-        program = self._program("decode", 1)
+    def _replay(self, key, enqueue) -> None:
+        """Run a pass as its captured graph: the first time it runs as launched (compiling any kernel not yet
+        compiled), then it is captured, and later calls replay it."""
+        graph = self.graphs.get(key)
+        if graph is None:
+            enqueue(self.compute)
+            self.compute.synchronize()
+            self.graphs[key] = CapturedGraph(enqueue, self.compute)
+        else:
+            graph.replay(self.compute)
+
+    def _enqueue_decode(self, stream, rows: int) -> None:
+        program = self._program("decode", rows)
         for step in program.steps:
             step.run(stream)
             if program.graph.nodes[step.name]["op"] == "topk":
                 index = self.moe_blocks.index(tensor_layer(step.name))
-                program.tensors[step.name].copy_to_host(self.decode_ids[index], stream=stream)
+                program.tensors[step.name].copy_to_host(self.decode_ids[index, :rows], stream=stream)
 
-    def _decode_step(self, token: int, position: int) -> tuple:
-        """One decode step: (greedy token, logits device array)."""
-        program = self._program("decode", 1)
-        self.kv_ring.claim(position, position + 1, self.compute)
-        self._inputs(program, [token], position)
-        if self.decode_graph is None:
-            self._enqueue_decode(self.compute)       # compiles every kernel before the capture
-            self.compute.synchronize()
-            self.decode_graph = CapturedGraph(self._enqueue_decode, self.compute)
-        else:
-            self.decode_graph.replay(self.compute)
-        copy_rows(self.greedy, 0, program.tensors["argmax"], 0, 1, self.compute)
+    def _verify(self, tokens: list, position: int):
+        """A decode window of the trunk over `tokens` at positions position..: its greedy tokens land in
+        `self.greedy`, its rows' hidden states (with the drafter) in `self.hiddens`; the program (logits)."""
+        rows = len(tokens)
+        program = self._program("decode", rows)
+        self.kv_ring.claim(position, position + rows, self.compute)
+        self._inputs(program, tokens, position)
+        self._replay(("decode", rows), lambda stream: self._enqueue_decode(stream, rows))
+        copy_rows(self.greedy, 0, program.tensors["argmax"], 0, rows, self.compute)
+        if self.drafter is not None:
+            copy_rows(self.hiddens, 0, program.tensors["head_norm"], 0, rows, self.compute)
         self.compute.synchronize()
-        self.experts.record_decode(self.decode_ids)
+        self.experts.record_decode(self.decode_ids[:, :rows])
         self.experts.after_decode_step(self.compute)
-        return int(self.greedy[0]), program.tensors["logits"]
+        return program
+
+    def _draft(self, token: int, position: int, depth: int) -> list:
+        """`depth` draft steps from `position` (the drafter's row there reads `token`, the token at position
+        + 1, and the hidden state in `self.hidden`); each step proposes the token after the next."""
+        program = self._program("draft", 1)
+        drafts = []
+        for q in range(position, position + depth):
+            self.drafter.ring.claim(q, q + 1, self.compute)
+            self._inputs(program, [token], q)
+            copy_rows(program.tensors["hidden_in"], 0, self.hidden, 0, 1, self.compute)
+            self._replay(("draft", 1), program.run)
+            copy_rows(self.greedy, 0, program.tensors["argmax"], 0, 1, self.compute)
+            copy_rows(self.hidden, 0, program.tensors["head_norm"], 0, 1, self.compute)
+            self.compute.synchronize()
+            token = int(self.greedy[0])
+            if not 0 <= token < self.hp.n_vocab:     # non-finite drafter logits: propose nothing further
+                break
+            drafts.append(token)
+        return drafts
 
     # ---------------------------------------------------------------------------------------------------
     # requests
 
     def stream(self, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, conversation=None,
-               stop_ids=(), logits: list | None = None):
-        """Yield new token ids one by one. `logits`, when a list, receives each token's logits (float32)."""
+               stop_ids=(), logits: list | None = None, draft_depth: int | None = None):
+        """Yield new token ids one by one. `logits`, when a list, receives each token's logits (float32);
+        draft_depth: tokens the drafter proposes per verify window (default the plan's; 0 turns drafting
+        off; greedy decoding only: a temperature above 0 decodes step by step)."""
         prompt = [int(t) for t in prompt_ids]
         self._check_request(prompt, max_new_tokens, temperature)
+        depth = self._check_depth(draft_depth) if temperature == 0 else 0
         owner, self.kv_owner = self.kv_owner, None      # a request stopped part-way leaves no reusable K/V
         reused = 0
         if conversation is not None and owner is not None and owner[0] == conversation:
@@ -282,26 +362,54 @@ class Engine:
         self.totals.requests += 1
         self.totals.last = {"prompt_tokens": len(prompt), "reused_tokens": reused, "prefill_s": prefill_s}
         position, decode_started = len(prompt), time.perf_counter()
-        for produced in range(max_new_tokens):
-            token = self._choose(row, temperature)
+        pending = [(self._choose(row, temperature), row)]      # (token, the logits it was chosen from)
+        produced = 0
+        while pending:
+            token, chosen_from = pending.pop(0)
             if logits is not None:
-                logits.append(np.asarray(row, np.float32))
+                logits.append(np.asarray(chosen_from, np.float32))
             if produced == 0:
                 self.totals.last["first_token_s"] = time.perf_counter() - called
+            else:
+                self.totals.decode_tokens += 1
             yield token
-            if token in stop_ids or produced + 1 == max_new_tokens:
+            produced += 1
+            if token in stop_ids or produced == max_new_tokens:
                 break
-            greedy, device_logits = self._decode_step(token, position)
-            position += 1
-            row = device_logits.copy_to_host()[0] if temperature > 0 or logits is not None else greedy
-            self.totals.decode_tokens += 1
+            if pending:
+                continue
+            drafts = self._draft(token, position - 1, min(depth, max_new_tokens - produced - 1)) if depth else []
+            program = self._verify([token] + drafts, position)
+            accepted = accepted_drafts(drafts, self.greedy)
+            if drafts:
+                self.drafter.record(len(drafts), accepted)
+                self.hidden[0] = self.hiddens[accepted]
+            rows = None
+            if temperature > 0 or logits is not None:
+                rows = program.tensors["logits"].copy_to_host()
+            for r in range(accepted + 1):
+                pending.append((self._choose(rows[r], temperature) if temperature > 0 else int(self.greedy[r]),
+                                rows[r] if rows is not None else None))
+            position += accepted + 1
         self.totals.decode_s += time.perf_counter() - decode_started
         self.totals.last["decode_s"] = time.perf_counter() - decode_started
 
+    def _check_depth(self, draft_depth: int | None) -> int:
+        if draft_depth is None:
+            return self.draft_depth
+        if draft_depth and self.drafter is None:
+            reason = ("the model has no NextN layer" if not self.hp.n_nextn
+                      else "the plan was made without speculative decoding (no drafter regions)")
+            raise StratumError(f"draft_depth {draft_depth}: this engine has no drafter ({reason})")
+        if not 0 <= draft_depth < MAX_WINDOW:
+            raise StratumError(f"draft_depth {draft_depth}: 0 (off) to {MAX_WINDOW - 1} (a verify window holds "
+                               f"at most {MAX_WINDOW} rows)")
+        return draft_depth
+
     def generate(self, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, conversation=None,
-                 stop_ids=(), return_logits: bool = False) -> Generation:
+                 stop_ids=(), return_logits: bool = False, draft_depth: int | None = None) -> Generation:
         rows = [] if return_logits else None
-        tokens = list(self.stream(prompt_ids, max_new_tokens, temperature, conversation, stop_ids, rows))
+        tokens = list(self.stream(prompt_ids, max_new_tokens, temperature, conversation, stop_ids, rows, draft_depth))
         last = self.totals.last
         return Generation(tokens, np.stack(rows) if rows else None, last["prompt_tokens"], last["reused_tokens"],
                           last["prefill_s"], last.get("decode_s", 0.0), last.get("first_token_s", 0.0))
@@ -338,12 +446,20 @@ class Engine:
                 "decode_tokens": t.decode_tokens, "decode_tok_s": _rate(t.decode_tokens, t.decode_s),
                 "reused_tokens": t.reused_tokens, "expert_cache_hit_rate": round(e.hit_rate, 4),
                 "expert_bytes_copied": e.streamed_bytes, "experts_refreshed": e.refreshed_experts,
-                "device_bytes": self.arena.nbytes, "kernels": kernel_counts(), "last_request": dict(t.last)}
+                "device_bytes": self.arena.nbytes, "kernels": kernel_counts(), **self._draft_stats(),
+                "last_request": dict(t.last)}
+
+    def _draft_stats(self) -> dict:
+        if self.drafter is None:
+            return {}
+        d = self.drafter.stats
+        return {"draft_windows": d.windows, "drafted_tokens": d.drafted, "accepted_drafts": d.accepted,
+                "draft_acceptance": round(d.acceptance, 4)}
 
     def close(self) -> None:
-        if self.decode_graph is not None:
-            self.decode_graph.close()
-            self.decode_graph = None
+        for graph in self.graphs.values():
+            graph.close()
+        self.graphs.clear()
 
     def __enter__(self):
         return self

@@ -20,20 +20,24 @@ from codegen.lower.kv_pages import kv_arrays
 
 class KVRing:
     def __init__(self, arena, page_table, kv, hparams, n_slots: int, page_tokens: int, context_tokens: int,
-                 progress):
-        """page_table: the int32 device table of every page of the context; progress: `runtime.progress`."""
+                 progress, region: str = "kv_ring", layers=None, host_copy: bool = True):
+        """page_table: the int32 device table of every page of the context; progress: `runtime.progress`;
+        layers: the blocks whose pages the ring holds (default the trunk's), carved from `region`; host_copy
+        False: pages the ring no longer holds are gone (the drafter, whose attention reads only the window
+        its ring holds)."""
         self.page_table, self.n_slots, self.page_tokens = page_table, n_slots, page_tokens
         self.full_pages = -(-context_tokens // page_tokens)
+        layers = list(range(hparams.n_trunk) if layers is None else layers)
 
         def layout(slots):
             return kv_arrays(kv.name, slots, page_tokens, hparams.n_head_kv, hparams.head_dim_k, hparams.head_dim_v)
-        carver = arena.carver("kv_ring", alignment=4)
-        self.pages = {layer: layout(n_slots).carve(carver.array) for layer in range(hparams.n_trunk)}
+        carver = arena.carver(region, alignment=4)
+        self.pages = {layer: layout(n_slots).carve(carver.array) for layer in layers}
         self.host = {}          # layer -> the host copy of its pages (none when the ring holds the context)
-        if n_slots < self.full_pages:
+        if host_copy and n_slots < self.full_pages:
             whole = layout(self.full_pages)
-            progress.start("pinning the host copy of the K/V", hparams.n_trunk * whole.nbytes, "B")
-            for layer in range(hparams.n_trunk):
+            progress.start("pinning the host copy of the K/V", len(layers) * whole.nbytes, "B")
+            for layer in layers:
                 self.host[layer] = whole.allocate(mapped_filled)
                 progress.advance(whole.nbytes)
             progress.finish()

@@ -52,9 +52,9 @@ def arena_layout(model, kind: str, tokens: int, kv, with_drafter: bool = False):
 
 class _Lowering:
     def __init__(self, graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots,
-                 host_experts, host_kv):
+                 host_experts, host_kv, attention_windows):
         self.graph, self.hp, self.weights = graph, hparams, weights
-        self.host_kv = host_kv
+        self.host_kv, self.attention_windows = host_kv, attention_windows
         self.kv_pages, self.page_tables, self.expert_slots = kv_pages, page_tables, expert_slots
         self.host_experts = host_experts
         self.family = "prefill" if graph.graph["kind"] == "prefill" else "decode"
@@ -155,7 +155,8 @@ class _Lowering:
         if op == "attention":
             q, _stored, positions = inputs
             launch = attention.make_attention(family, self.kv_type, hp.n_head, hp.n_head_kv, hp.head_dim_k,
-                                              hp.head_dim_v, self.page_tokens(layer))
+                                              hp.head_dim_v, self.page_tokens(layer),
+                                              self.attention_windows.get(layer, 0))
             return Step(name, launch, (q, positions, self.page_tables[layer], self.kv_pages[layer], out,
                                        self.host_kv.get(layer)))
         if op == "attention_combine":
@@ -167,7 +168,8 @@ class _Lowering:
 
 
 def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, arena, offsets: dict,
-          expert_slots: dict | None = None, host_experts: dict | None = None, host_kv: dict | None = None) -> Program:
+          expert_slots: dict | None = None, host_experts: dict | None = None, host_kv: dict | None = None,
+          attention_windows: dict | None = None) -> Program:
     """Bind every node of `graph` to its kernel.
 
     weights: GGUF tensor name -> DeviceWeight; kv_pages: layer -> the layer's K/V pages on the device
@@ -179,13 +181,14 @@ def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, aren
     experts with slot -1 are read from (a layer without: its slot arrays are passed as the host arrays, so
     with every slot >= 0 nothing changes); host_kv: layer -> the host copy of its K/V pages (the whole context,
     page p at index p, mapped host memory): stores write through to it, and attention reads a page from it when
-    the page table says -1 (a layer without: every page must have a slot).
+    the page table says -1 (a layer without: every page must have a slot); attention_windows: layer -> the
+    positions a row's attention reaches back (the drafter's window; a layer without reads its whole context).
     The steps launch the MoE kernels over every expert (lo=0, hi=None).
     """
     if expert_slots is None:
         identity = cuda.to_device(np.arange(hparams.n_expert, dtype=np.int32))
         expert_slots = {layer: identity for layer in range(hparams.n_layer)}
     lowering = _Lowering(graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots,
-                         host_experts or {}, host_kv or {})
+                         host_experts or {}, host_kv or {}, attention_windows or {})
     steps = [step for step in map(lowering.step, nodes_in_order(graph)) if step is not None]
     return Program(graph, steps, lowering.tensors)
