@@ -180,6 +180,9 @@ def build_pass(model, kind: str, tokens: int, kv: KVType, layers=None, with_draf
     hp = b.hp
     ids = b.op("token_ids", "input", [], (tokens,), dtype="i32")
     b.op("positions", "input", [], (tokens,), dtype="i32")    # each row's absolute position
+    drafter_rows = kind == "prefill" and with_drafter and hp.n_nextn
+    if drafter_rows:    # written before the pass like the other inputs, so live from its start
+        next_ids = b.op("next_token_ids", "input", [], (tokens,), dtype="i32")
     if kind == "draft":
         nextn = hp.n_trunk
         hidden = b.op("hidden_in", "input", [], (tokens, hp.n_embd))
@@ -191,9 +194,8 @@ def build_pass(model, kind: str, tokens: int, kv: KVType, layers=None, with_draf
     for layer in range(hp.n_trunk) if layers is None else layers:
         x = b.attention_block(layer, x, tokens)
     head_rows = 1 if kind == "prefill" else tokens
-    if kind == "prefill" and with_drafter and hp.n_nextn:
+    if drafter_rows:
         hidden = b.norm("hidden_out", x, "output_norm", tokens)   # h for every position feeds the drafter
-        next_ids = b.op("next_token_ids", "input", [], (tokens,), dtype="i32")
         drafter_x = b.nextn_input(hp.n_trunk, next_ids, hidden, tokens)
         b.attention_block(hp.n_trunk, drafter_x, tokens, compute_ffn=False)
     last = b.op("last_rows", "select_rows", [x], (head_rows, hp.n_embd)) if head_rows < tokens else x

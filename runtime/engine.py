@@ -35,6 +35,7 @@ from planner.header import read_header
 from planner.kv import parse_kv_type
 from planner.layout import table_sizes
 from planner.model import load_model
+from planner.predict import MAX_DRAFT_DEPTH
 from runtime.arena import DeviceArena
 from runtime.drafter import Drafter, accepted_drafts
 from runtime.experts import MATRICES, REFRESH_STEPS, ExpertStore
@@ -401,9 +402,9 @@ class Engine:
             reason = ("the model has no NextN layer" if not self.hp.n_nextn
                       else "the plan was made without speculative decoding (no drafter regions)")
             raise StratumError(f"draft_depth {draft_depth}: this engine has no drafter ({reason})")
-        if not 0 <= draft_depth < MAX_WINDOW:
-            raise StratumError(f"draft_depth {draft_depth}: 0 (off) to {MAX_WINDOW - 1} (a verify window holds "
-                               f"at most {MAX_WINDOW} rows)")
+        if not 0 <= draft_depth <= MAX_DRAFT_DEPTH:
+            raise StratumError(f"draft_depth {draft_depth}: 0 (off) to {MAX_DRAFT_DEPTH} (the plan's arena holds "
+                               f"verify windows of up to {1 + MAX_DRAFT_DEPTH} rows)")
         return draft_depth
 
     def generate(self, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, conversation=None,

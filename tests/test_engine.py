@@ -271,3 +271,79 @@ def test_stratum_run_prints_the_greedy_token_and_the_time_to_the_first(folder, m
     assert out.out.split() == [str(int(np.argmax(reference.forward(model, prompt)[-1])))]
     assert "first token" in out.err and "s after the command started" in out.err
 
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MTP speculative decoding (the glm4moe NextN drafter)
+
+def mtp_model(folder):
+    """The smallest glm4moe with a drafter: one MoE trunk block and the NextN block, one kv head, 4 experts
+    (a simulated decode window's cost is mostly its attention and MoE blocks)."""
+    return write_model(folder / "mtp.gguf", "glm4moe", seed=13, n_trunk=1, n_leading_dense=0, n_vocab=64, n_head=2,
+                       n_head_kv=1, n_expert=4)
+
+
+def test_greedy_tokens_with_drafting_are_bitwise_those_without(folder, tmp_path, rng):
+    """Drafts (depth 2) decide only how many tokens a verify window accepts: the tokens and every logit row are
+    bitwise those of step-by-step decoding (the second request reuses the first's prompt, so it reads one
+    token), and the engine counts the drafts it checked."""
+    model = mtp_model(tmp_path)
+    plan = solve(write_profile(folder, 2000), model, context=128, kv="f32", page_tokens=16)
+    assert plan.settings["mtp"] and plan.knobs["drafter_kv_pages"] > 0
+    prompt = rng.integers(0, 64, size=4).tolist()
+    with Engine(plan, model, progress=False) as engine:
+        plain = engine.generate(prompt, max_new_tokens=4, conversation="c", return_logits=True, draft_depth=0)
+        drafted = engine.generate(prompt, max_new_tokens=4, conversation="c", return_logits=True, draft_depth=2)
+        stats = engine.stats()
+    assert drafted.reused_tokens == len(prompt) - 1
+    assert drafted.tokens == plain.tokens and np.array_equal(drafted.logits, plain.logits)
+    assert stats["draft_windows"] >= 1 and stats["drafted_tokens"] >= 2       # the first window drafts 2
+    assert stats["decode_tokens"] == 6
+    want = reference.forward(model, prompt + plain.tokens[:-1])[len(prompt) - 1:]
+    assert plain.tokens == [int(np.argmax(row)) for row in want]
+
+
+def test_draft_depths_the_engine_cannot_run_are_refused(folder, model, tmp_path):
+    with Engine(plan_for(folder, model, 800), model, progress=False) as engine:        # qwen3moe: no NextN
+        with pytest.raises(StratumError, match="no drafter .the model has no NextN layer"):
+            engine.generate([1, 2], max_new_tokens=2, draft_depth=1)
+        assert engine.stats().get("draft_windows") is None
+    drafting = mtp_model(tmp_path)
+    plan = solve(write_profile(folder, 2000), drafting, context=128, kv="f32", page_tokens=16)
+    with Engine(plan, drafting, progress=False) as engine:
+        with pytest.raises(StratumError, match="draft_depth 5: 0 .off. to 4"):
+            engine.generate([1, 2], max_new_tokens=2, draft_depth=5)
+    no_mtp = solve(write_profile(folder, 2000), drafting, context=128, kv="f32", page_tokens=16, mtp=False)
+    with Engine(no_mtp, drafting, progress=False) as engine:
+        with pytest.raises(StratumError, match="made without speculative decoding"):
+            engine.generate([1, 2], max_new_tokens=2, draft_depth=2)
+
+
+def test_accepted_drafts_are_the_leading_ones_the_window_confirms():
+    from runtime.drafter import accepted_drafts
+    assert accepted_drafts([5, 7, 9], np.array([5, 7, 1, 4])) == 2
+    assert accepted_drafts([5, 7, 9], np.array([6, 7, 9, 4])) == 0
+    assert accepted_drafts([5, 7, 9], np.array([5, 7, 9, 4])) == 3
+    assert accepted_drafts([], np.array([3])) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_drafting_at_every_depth_gives_the_tokens_and_logits_of_single_steps(tmp_path, rng):
+    """On the H200, a glm4moe of 512-wide blocks with a NextN drafter, under a plan whose experts and K/V ring
+    are smaller than the model's: 24 greedy tokens after a 200-token prompt with draft depths 1 to 4 are bitwise
+    those of depth 0 (tokens and every logit row), and the drafter's windows are counted."""
+    model = write_model(tmp_path / "mtp.gguf", "glm4moe", seed=17, n_trunk=3, n_embd=512, n_head=8, n_head_kv=2,
+                        head_dim=64, n_rot=32, n_ff=1024, n_ff_exp=256, n_expert=32, n_expert_used=4,
+                        n_vocab=4096, types={"experts": "q8_0", "dense": "q8_0"})
+    plan = solve(write_profile(tmp_path, 40000), model, context=1024, kv="q8_0", page_tokens=16,
+                 pins={"kv_pages": 12})
+    prompt = rng.integers(0, 4096, size=200).tolist()
+    with Engine(plan, model, progress=False) as engine:
+        plain = engine.generate(prompt, max_new_tokens=24, return_logits=True, draft_depth=0)
+        for depth in range(1, 5):
+            drafted = engine.generate(prompt, max_new_tokens=24, return_logits=True, draft_depth=depth)
+            assert drafted.tokens == plain.tokens, depth
+            assert np.array_equal(drafted.logits, plain.logits), depth
+        stats = engine.stats()
+    print(stats)
+    assert stats["draft_windows"] > 0 and stats["drafted_tokens"] >= stats["draft_windows"]
