@@ -14,7 +14,9 @@ is stored again by the first draft step.
 
 Drafts decide only how many tokens a verify window accepts, never which tokens come out: each row of a verify
 window gives bitwise the logits of a single decode step (the decode family's window invariance), so greedy
-output with drafting is bitwise the output without, whatever the drafter proposes.
+output with drafting is bitwise the output without, whatever the drafter proposes. Sampled output keeps its
+distribution instead: drafts are sampled from the drafter's distribution q and accepted by standard speculative
+sampling (`speculative_accept`), which emits tokens distributed as the trunk's p.
 """
 
 from dataclasses import dataclass
@@ -76,3 +78,27 @@ def accepted_drafts(drafts: list, greedy) -> int:
     while accepted < len(drafts) and drafts[accepted] == int(greedy[accepted]):
         accepted += 1
     return accepted
+
+
+def probabilities(logits, temperature: float) -> np.ndarray:
+    """softmax(logits / temperature) in float64."""
+    scaled = np.asarray(logits, np.float64) / temperature
+    weights = np.exp(scaled - scaled.max())
+    return weights / weights.sum()
+
+
+def speculative_accept(drafts: list, draft_probs: list, target_probs, rng) -> tuple[int, int]:
+    """Standard speculative sampling: draft i (drawn from draft_probs[i]) is kept with probability
+    min(1, p_i(d) / q_i(d)), p_i = target_probs[i]; at the first rejection the token is drawn from
+    max(0, p_i - q_i), renormalised; when every draft is kept, a last token is drawn from p_n. Returns (drafts
+    kept, the token that follows them): the emitted tokens are distributed exactly as sampling from p would."""
+    for i, (draft, q) in enumerate(zip(drafts, draft_probs)):
+        p = target_probs[i]
+        if rng.random() * q[draft] < p[draft]:
+            continue
+        residual = np.maximum(p - q, 0.0)
+        total = residual.sum()
+        token = rng.choice(len(p), p=residual / total) if total > 0 else rng.choice(len(p), p=p)
+        return i, int(token)
+    last = target_probs[len(drafts)]
+    return len(drafts), int(rng.choice(len(last), p=last))

@@ -37,7 +37,7 @@ from planner.layout import table_sizes
 from planner.model import load_model
 from planner.predict import MAX_DRAFT_DEPTH
 from runtime.arena import DeviceArena
-from runtime.drafter import Drafter, accepted_drafts
+from runtime.drafter import Drafter, accepted_drafts, probabilities, speculative_accept
 from runtime.experts import MATRICES, REFRESH_STEPS, ExpertStore
 from runtime.kv_ring import KVRing
 from runtime.progress import Progress
@@ -185,7 +185,7 @@ class Engine:
         self._verify([0], 0)
         self.progress.advance()
         if self.draft_depth:
-            self._verify([0] + self._draft(0, 0, self.draft_depth), 1)
+            self._verify([0] + self._draft(0, 0, self.draft_depth)[0], 1)
             self.progress.advance()
         self.kv_owner = None
         self.progress.finish()
@@ -315,11 +315,12 @@ class Engine:
         self.experts.after_decode_step(self.compute)
         return program
 
-    def _draft(self, token: int, position: int, depth: int) -> list:
+    def _draft(self, token: int, position: int, depth: int, temperature: float = 0.0) -> tuple:
         """`depth` draft steps from `position` (the drafter's row there reads `token`, the token at position
-        + 1, and the hidden state in `self.hidden`); each step proposes the token after the next."""
+        + 1, and the hidden state in `self.hidden`); each step proposes the token after the next: its argmax,
+        or at a temperature a sample of its distribution. Returns (drafts, their distributions: sampled only)."""
         program = self._program("draft", 1)
-        drafts = []
+        drafts, distributions = [], []
         for q in range(position, position + depth):
             self.drafter.ring.claim(q, q + 1, self.compute)
             self._inputs(program, [token], q)
@@ -331,8 +332,11 @@ class Engine:
             token = int(self.greedy[0])
             if not 0 <= token < self.hp.n_vocab:     # non-finite drafter logits: propose nothing further
                 break
+            if temperature > 0:
+                distributions.append(probabilities(program.tensors["logits"].copy_to_host()[0], temperature))
+                token = int(self.rng.choice(self.hp.n_vocab, p=distributions[-1]))
             drafts.append(token)
-        return drafts
+        return drafts, distributions
 
     # ---------------------------------------------------------------------------------------------------
     # requests
@@ -341,10 +345,11 @@ class Engine:
                stop_ids=(), logits: list | None = None, draft_depth: int | None = None):
         """Yield new token ids one by one. `logits`, when a list, receives each token's logits (float32);
         draft_depth: tokens the drafter proposes per verify window (default the plan's; 0 turns drafting
-        off; greedy decoding only: a temperature above 0 decodes step by step)."""
+        off): greedy output is bitwise the output without drafting, sampled output (temperature > 0) keeps
+        its distribution (standard speculative sampling)."""
         prompt = [int(t) for t in prompt_ids]
         self._check_request(prompt, max_new_tokens, temperature)
-        depth = self._check_depth(draft_depth) if temperature == 0 else 0
+        depth = self._check_depth(draft_depth)
         owner, self.kv_owner = self.kv_owner, None      # a request stopped part-way leaves no reusable K/V
         reused = 0
         if conversation is not None and owner is not None and owner[0] == conversation:
@@ -379,18 +384,23 @@ class Engine:
                 break
             if pending:
                 continue
-            drafts = self._draft(token, position - 1, min(depth, max_new_tokens - produced - 1)) if depth else []
+            n = min(depth, max_new_tokens - produced - 1)
+            drafts, draft_probs = self._draft(token, position - 1, n, temperature) if n else ([], [])
             program = self._verify([token] + drafts, position)
-            accepted = accepted_drafts(drafts, self.greedy)
-            if drafts:
-                self.drafter.record(len(drafts), accepted)
-                self.hidden[0] = self.hiddens[accepted]
             rows = None
             if temperature > 0 or logits is not None:
                 rows = program.tensors["logits"].copy_to_host()
-            for r in range(accepted + 1):
-                pending.append((self._choose(rows[r], temperature) if temperature > 0 else int(self.greedy[r]),
-                                rows[r] if rows is not None else None))
+            if temperature > 0:
+                target = [probabilities(row, temperature) for row in rows[:len(drafts) + 1]]
+                accepted, last = speculative_accept(drafts, draft_probs, target, self.rng)
+                chosen = drafts[:accepted] + [last]
+            else:
+                accepted = accepted_drafts(drafts, self.greedy)
+                chosen = [int(self.greedy[r]) for r in range(accepted + 1)]
+            if drafts:
+                self.drafter.record(len(drafts), accepted)
+                self.hidden[0] = self.hiddens[accepted]
+            pending += [(chosen_token, rows[r] if rows is not None else None) for r, chosen_token in enumerate(chosen)]
             position += accepted + 1
         self.totals.decode_s += time.perf_counter() - decode_started
         self.totals.last["decode_s"] = time.perf_counter() - decode_started
@@ -428,14 +438,10 @@ class Engine:
                                f"{self.max_tokens} positions: plan for a longer context or ask for fewer tokens")
 
     def _choose(self, row, temperature: float) -> int:
-        """Greedy: the device's argmax (an int) or the row's; else a sample at `temperature`."""
-        if isinstance(row, int):
-            return row
+        """The first token, from the prompt's last logits: greedy, or a sample at `temperature`."""
         if temperature == 0:
             return int(np.argmax(row))
-        scaled = np.asarray(row, np.float64) / temperature
-        probs = np.exp(scaled - scaled.max())
-        return int(self.rng.choice(len(probs), p=probs / probs.sum()))
+        return int(self.rng.choice(len(row), p=probabilities(row, temperature)))
 
     # ---------------------------------------------------------------------------------------------------
     # reporting and lifetime
