@@ -156,6 +156,7 @@ def _add_engine_arguments(sub):
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--stop-ids", type=int, nargs="*", help="stop after generating one of these ids")
     p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--draft-depth", type=int, help="MTP drafts per verify window (default the plan's; 0: off)")
     p.add_argument("--quiet", action="store_true", help="no progress lines at start")
     p.set_defaults(run=cmd_run)
     p = sub.add_parser("bench", help="measured prefill and decode tok/s beside the plan's predictions")
@@ -165,6 +166,7 @@ def _add_engine_arguments(sub):
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
     p.add_argument("--repeats", type=int, default=3, help="requests per prompt length (the median is shown)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-depth", type=int, help="MTP drafts per verify window (default the plan's; 0: off)")
     p.add_argument("--quiet", action="store_true", help="no progress lines at start")
     p.set_defaults(run=cmd_bench)
 

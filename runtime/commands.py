@@ -27,7 +27,8 @@ def run(args) -> None:
     with Engine(plan, args.model, progress=not args.quiet, seed=args.seed) as engine:
         stop = set(args.stop_ids or ())
         first_token_s = None
-        for token in engine.stream(prompt, args.max_new_tokens, args.temperature, stop_ids=stop):
+        for token in engine.stream(prompt, args.max_new_tokens, args.temperature, stop_ids=stop,
+                                   draft_depth=args.draft_depth):
             if first_token_s is None:
                 first_token_s = time.perf_counter() - args.started
             print(token, end=" ", flush=True)
@@ -45,18 +46,23 @@ def bench(args) -> None:
     predicted_prefill = {p["prompt_tokens"]: p["tok_s"] for p in plan.predictions.get("prefill", [])}
     predicted_decode = plan.predictions.get("decode", [])
     with Engine(plan, args.model, progress=not args.quiet, seed=args.seed) as engine:
+        drafting = engine.draft_depth if args.draft_depth is None else args.draft_depth
+        # the plan predicts decode without drafting and at its own draft depth (no other)
+        predicted_key = ("tok_s_without_mtp" if not drafting
+                         else "tok_s" if drafting == plan.knobs.get("draft_depth") else None)
         vocab = engine.hp.n_vocab
         print(f"{'prompt':>8} {'prefill tok/s':>14} {'predicted':>10} {'decode tok/s':>13} {'predicted':>10}")
         for tokens in args.prompt_tokens:
             prefill, decode = [], []
             for _ in range(args.repeats):
-                out = engine.generate(rng.integers(0, vocab, size=tokens).tolist(), args.new_tokens)
+                out = engine.generate(rng.integers(0, vocab, size=tokens).tolist(), args.new_tokens,
+                                      draft_depth=args.draft_depth)
                 prefill.append(tokens / out.prefill_s)
                 if len(out.tokens) > 1:
                     decode.append((len(out.tokens) - 1) / out.decode_s)
             depth = min(predicted_decode, key=lambda d: abs(d["depth"] - tokens), default=None)
             print(f"{tokens:>8} {np.median(prefill):>14.1f} {_fmt(predicted_prefill.get(tokens)):>10} "
-                  f"{np.median(decode) if decode else 0:>13.2f} {_fmt(depth and depth.get('tok_s_without_mtp')):>10}")
+                  f"{np.median(decode) if decode else 0:>13.2f} {_fmt(depth and depth.get(predicted_key)):>10}")
         _print_stats(engine.stats())
 
 
