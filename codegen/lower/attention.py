@@ -45,7 +45,8 @@ VALUE_DIMS = 4            # dims of the output a P V thread sums (more when the 
 MAX_SUBSETS = 4           # token subsets the P V sums are split into (shared memory bounds it)
 SEGMENT = 8               # tokens per softmax segment
 SHARED_BYTES = 48 * 1024  # static shared memory a block may use
-COMBINE_THREADS = 1024    # at most, per combine block: (dim, run of splits) threads
+COMBINE_THREADS = 256     # at most, per combine block: (dim, run of splits) threads; the simulator runs
+#                           each thread as a Python thread (1024 made CI's simulated decode steps 3x slower)
 WARP_THREADS = 32
 
 
