@@ -336,7 +336,7 @@ def test_gpu_drafting_at_every_depth_gives_the_tokens_and_logits_of_single_steps
                         head_dim=64, n_rot=32, n_ff=1024, n_ff_exp=256, n_expert=32, n_expert_used=4,
                         n_vocab=4096, types={"experts": "q8_0", "dense": "q8_0"})
     plan = solve(write_profile(tmp_path, 40000), model, context=1024, kv="q8_0", page_tokens=16,
-                 pins={"kv_pages": 12})
+                 pins={"chunk_tokens": 64, "kv_pages": 10})     # 35 of 96 experts cached, 144 positions resident
     prompt = rng.integers(0, 4096, size=200).tolist()
     with Engine(plan, model, progress=False) as engine:
         plain = engine.generate(prompt, max_new_tokens=24, return_logits=True, draft_depth=0)
