@@ -35,6 +35,7 @@ from gguf.constants import GGMLQuantizationType as T
 from benchmarks.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_bytes_per_s
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import attention as att
+from codegen.lower.attention_combine import make_attention_combine
 from codegen.lower import kv_pages
 from codegen.lower.cuda import cuda
 from planner.kv import parse_kv_type, row_bytes
@@ -208,7 +209,7 @@ def decode_runs(layers: Layers, rows: int, version: str, tuning: att.Tuning):
     else:
         launch = att._attention_launch("decode", layers.kv_name, s["n_head"], s["n_head_kv"], s["dk"], s["dv"],
                                        s["page_tokens"], tuning)
-    combine = att.make_attention_combine(s["n_head"], s["dv"])
+    combine = make_attention_combine(s["n_head"], s["dv"])
 
     def enqueue(stream, pages):
         launch(stream, q, positions, layers.table, pages, partials)

@@ -13,6 +13,7 @@ from gguf.constants import GGMLQuantizationType as T
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import MAX_WINDOW
 from codegen.lower import attention as att
+from codegen.lower.attention_combine import make_attention_combine
 from codegen.lower import kv_pages
 from codegen.lower.cuda import cuda, mapped_filled
 from planner.errors import StratumError
@@ -76,7 +77,7 @@ class Setup:
                                        self.page_tokens, tuning, window)
         launch(0, cuda.to_device(self.q[positions - self.q_from]), cuda.to_device(positions.astype(np.int32)),
                self.d_table, self.pages, partials, host_pages)
-        att.make_attention_combine(self.n_head, self.dv)(0, partials, out)
+        make_attention_combine(self.n_head, self.dv)(0, partials, out)
         return partials.copy_to_host(), out.copy_to_host()
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from codegen.graph import build_pass, nodes_in_order, representative_layers
-from codegen.lower import attention, kv_pages, matmul, moe, pointwise
+from codegen.lower import attention, attention_combine, kv_pages, matmul, moe, pointwise
 from codegen.lower.cuda import cuda
 from codegen.memory import full_pass_offsets, plan_arena
 from planner.architecture import tensor_layer
@@ -160,7 +160,7 @@ class _Lowering:
             return Step(name, launch, (q, positions, self.page_tables[layer], self.kv_pages[layer], out,
                                        self.host_kv.get(layer)))
         if op == "attention_combine":
-            return Step(name, attention.make_attention_combine(hp.n_head, hp.head_dim_v), (inputs[0], out))
+            return Step(name, attention_combine.make_attention_combine(hp.n_head, hp.head_dim_v), (inputs[0], out))
         raise ValueError(f"no kernel lowers op {op!r} (node {name})")
 
     def page_tokens(self, layer: int) -> int:
