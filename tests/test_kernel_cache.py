@@ -116,10 +116,12 @@ def test_entries_round_trip_and_damage_reads_as_a_miss(tmp_path, monkeypatch, rn
 
 
 def test_the_folder_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("STRATUM_KERNEL_CACHE", "off")
     assert kernel_cache.folder() is None
-    kernel_cache.store("abc", "name", b"cubin")         # a cache that is off stores nothing, and says so by None
-    assert kernel_cache.load("abc") is None
+    kernel_cache.store("abc", "name", b"cubin")         # a cache that is off writes nothing anywhere
+    assert kernel_cache.load("abc") is None and list(tmp_path.iterdir()) == []
     monkeypatch.delenv("STRATUM_KERNEL_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert kernel_cache.folder() == tmp_path / "stratum" / "kernels"
+    kernel_cache.store("abc", "name", b"cubin")
+    assert kernel_cache.load("abc") == ("name", b"cubin")

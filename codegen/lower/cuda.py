@@ -135,9 +135,9 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
         params.extend(entry[2])
     key = (id(kernel), *map(id, types))
     found = _functions.get(key)
-    if found is None:
-        found = _functions[key] = _kernel_function(kernel, tuple(types)), tuple(types), kernel   # kept alive:
-    function = found[0]                                                    # their ids stay theirs
+    if found is None:       # the types and dispatcher are kept alive, so their ids stay theirs
+        found = _functions[key] = _kernel_function(kernel, tuple(types)), tuple(types), kernel
+    function = found[0]
     shape = (griddim, blockdim)
     config = _configs.get(shape)
     if config is None:
