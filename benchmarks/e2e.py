@@ -43,27 +43,35 @@ CARD = "qwen3-30b-a3b-q8_0"
 CONTEXT = 8192
 
 
-def reduced_card(layers: int, folder: Path) -> Path:
-    card = yaml.safe_load((MODELS_DIR / f"{CARD}.yaml").read_text())
-    card["name"] = f"{CARD}-{layers}-blocks"
-    card["metadata"]["block_count"] = layers
+def reduced_card(layers: int, folder: Path, card_name: str = CARD, types: str | None = None,
+                 metadata: dict | None = None) -> Path:
+    """The bundled card with `layers` trunk blocks (and its NextN blocks), every matrix in `types` if given,
+    `metadata` changed."""
+    card = yaml.safe_load((MODELS_DIR / f"{card_name}.yaml").read_text())
+    card["name"] = f"{card_name}-{layers}-blocks" + (f"-{types}" if types else "")
+    card["metadata"].update(metadata or {})
+    card["metadata"]["block_count"] = layers + card["metadata"].get("nextn_predict_layers", 0)
+    if types:
+        card["types"], card["overrides"] = {"default": types}, []
     path = folder / f"{card['name']}.yaml"
     path.write_text(yaml.safe_dump(card))
     return path
 
 
-def emulated_profile(name: str, measured: dict, layers: int, folder: Path) -> Path:
+def emulated_profile(name: str, measured: dict, layers: int, folder: Path, card_name: str = CARD,
+                     extra_bytes: int = 0) -> Path:
     """The card's VRAM on the H200: every other GPU figure the H200 profile's, with its links as measured in
-    this run (so the plan is priced as it runs), and the usable VRAM scaled by layers / the card's blocks (the
-    card holds the same share of the model)."""
+    this run (so the plan is priced as it runs), and the usable VRAM scaled by layers / the card's trunk blocks
+    (the card holds the same share of the trunk), plus extra_bytes (what does not shrink with the trunk)."""
     profile = yaml.safe_load((HARDWARE_DIR / f"{name}.yaml").read_text())
     h200 = yaml.safe_load((HARDWARE_DIR / "h200-141g.yaml").read_text())["gpus"][0]
-    full_blocks = yaml.safe_load((MODELS_DIR / f"{CARD}.yaml").read_text())["metadata"]["block_count"]
+    metadata = yaml.safe_load((MODELS_DIR / f"{card_name}.yaml").read_text())["metadata"]
+    trunk_blocks = metadata["block_count"] - metadata.get("nextn_predict_layers", 0)
     for gpu in profile["gpus"]:
         gpu.update({field: value for field, value in h200.items() if field not in ("name", "vram", "reserved")})
         gpu.update(measured)
         vram, reserved = parse_bytes(gpu["vram"]), parse_bytes(gpu["reserved"])
-        gpu["vram"] = f"{reserved + (vram - reserved) * layers // full_blocks} B"
+        gpu["vram"] = f"{reserved + (vram - reserved) * layers // trunk_blocks + extra_bytes} B"
         gpu["reserved"] = f"{reserved} B"
     profile["name"] = f"{name}-on-h200-links-{layers}-blocks"
     path = folder / f"{profile['name']}.yaml"
@@ -148,6 +156,22 @@ def print_table(rows: list) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def measure_links() -> tuple[dict, dict]:
+    """(this GPU's ceilings, printed; the profile fields an emulated card takes from them)."""
+    ceilings = {"read": read_bandwidth_bytes_per_s(), "pinned": pinned_copy_bytes_per_s(),
+                "zero_copy": zero_copy_read_bytes_per_s(), "launch": kernel_launch_s()}
+    print(f"{device_name()}: read {ceilings['read'] / 1e12:.2f} TB/s, pinned host->device "
+          f"{ceilings['pinned'] / 1e9:.1f} GB/s, zero-copy read {ceilings['zero_copy'] / 1e9:.1f} GB/s, "
+          f"a kernel launch from Python {ceilings['launch'] * 1e6:.1f} us")
+    # kernel_launch is the host's: the H200 profile's figure, fitted to whole prompt chunks (copies and events
+    # included); the bare launch measured above is printed beside it
+    host_calls = load_profile("h200-141g").gpus[0].kernel_launch_s
+    links = {"host_to_device": f"{ceilings['pinned'] / 1e9:.1f} GB/s",
+             "zero_copy_read": f"{ceilings['zero_copy'] / 1e9:.1f} GB/s",
+             "kernel_launch": f"{host_calls * 1e6:.1f} us"}
+    return ceilings, links
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=6)
@@ -157,17 +181,7 @@ def main():
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="profile the measured request's host time (cProfile) and print its top N functions")
     args = parser.parse_args()
-    ceilings = {"read": read_bandwidth_bytes_per_s(), "pinned": pinned_copy_bytes_per_s(),
-                "zero_copy": zero_copy_read_bytes_per_s(), "launch": kernel_launch_s()}
-    print(f"{device_name()}: read {ceilings['read'] / 1e12:.2f} TB/s, pinned host->device "
-          f"{ceilings['pinned'] / 1e9:.1f} GB/s, zero-copy read {ceilings['zero_copy'] / 1e9:.1f} GB/s, "
-          f"a kernel launch from Python {ceilings['launch'] * 1e6:.1f} us")
-    # kernel_launch is the host's: the H200 profile's figure, fitted to whole prompt chunks (copies and events
-    # included); the bare launch measured above is printed beside it
-    host_calls = load_profile("h200-141g").gpus[0].kernel_launch_s
-    measured_links = {"host_to_device": f"{ceilings['pinned'] / 1e9:.1f} GB/s",
-                      "zero_copy_read": f"{ceilings['zero_copy'] / 1e9:.1f} GB/s",
-                      "kernel_launch": f"{host_calls * 1e6:.1f} us"}
+    ceilings, measured_links = measure_links()
     rng = np.random.default_rng(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,7 +37,7 @@ def assemble(problem: Problem, knobs: Knobs) -> Plan:
         "expert_cache_slots": list(knobs.cache_slots), "prefill_ring_slots": knobs.ring_slots,
         "slot_bytes": problem.slot_bytes, "draft_depth": knobs.draft_depth,
         "drafter_window_tokens": knobs.drafter_window_tokens,
-        "drafter_kv_pages": problem.drafter_pages(knobs.chunk_tokens),
+        "drafter_kv_pages": problem.drafter_pages,
         "room_slots": problem.room_slots, "room_min_read_tokens": knobs.room_min_read_tokens,
         "cache_policy": "frequency"}
     return Plan(

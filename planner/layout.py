@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from codegen.memory import ARENA_ALIGNMENT_BYTES
 from planner.architecture import tensor_layer
 
-REGION_ORDER = ("dense", "drafter_dense", "drafter_experts", "kv_ring", "drafter_kv", "expert_cache",
-                "prefill_ring", "arena", "tables")
+# expert_cache, prefill_ring and drafter_experts lie back to back: one array of expert slots (model.SlotLayout)
+REGION_ORDER = ("dense", "drafter_dense", "kv_ring", "drafter_kv", "expert_cache", "prefill_ring", "drafter_experts",
+                "arena", "tables")
 REGION_PURPOSE = {
     "dense": "attention, norms, router, shared expert, embeddings, output head: read every token",
     "drafter_dense": "the NextN (MTP) block's dense tensors",
-    "drafter_experts": "the drafter's routed experts (decode only); lent to the prefill ring as the room",
+    "drafter_experts": "the drafter's routed experts, a slot each (decode only); lent to the prefill ring as the room",
     "kv_ring": "K/V of the last resident positions, page p in slot p mod pages, over a host copy",
     "drafter_kv": "the drafter's K/V ring, sized from its window",
     "expert_cache": "decode's slots for the hottest routed experts; misses read mapped host memory",
@@ -90,7 +91,8 @@ def fixed_region_sizes(model, blocks, first: bool, last: bool, mtp: bool, full_p
              "tables": sum(aligned(size) for size in tables.values())}
     if mtp and last:
         sizes["drafter_dense"] = tensors_bytes(model, drafter_tensor_names(model, "drafter_dense"))
-        sizes["drafter_experts"] = tensors_bytes(model, drafter_tensor_names(model, "drafter_expert"))
+        drafter_experts = len(model.drafter_expert_layers) * model.hparams.n_expert
+        sizes["drafter_experts"] = drafter_experts * model.slot_layout.slot_bytes      # a slot each
     return sizes
 
 

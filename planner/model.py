@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
 from planner.architecture import EXPERT_ROLES, HParams, hparams_from_metadata, tensor_layer, tensor_layout, tensor_role
 from planner.card import card_header
 from planner.errors import StratumError
@@ -37,6 +39,40 @@ class ExpertLayer:
     @property
     def block_bytes(self) -> int:
         return self.blob_bytes * self.n_expert
+
+
+# Types whose blocks the kernels read as quants apart from their float16 scales (codegen.lower.weights packs
+# them so); every other type's expert rows fill one part of a slot.
+SCALES_APART = (T.Q8_0, T.Q4_0)
+SCALE_BYTES = 2
+SLOT_PART_ALIGNMENT_BYTES = 16      # the prefill kernels read a slot's words 16 bytes at a time
+SLOT_ALIGNMENT_BYTES = 256          # a slot starts where a region may (planner.layout.aligned)
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """One routed expert in a slot of the expert cache, the prefill ring or the drafter's block, which lie one
+    after another (planner.layout.REGION_ORDER) and are read as one array of slots, blob-major: slot s starts
+    s * slot_bytes after slot 0 and holds each matrix's quants, then each matrix's scales, at fixed offsets.
+    So the drafter's block is ring slots as it stands (the room), and any expert fits any slot."""
+    parts: dict         # (role, "data" | "scales") -> (offset in the slot, bytes); scales absent for other types
+    slot_bytes: int
+
+    def part(self, role: str, kind: str) -> tuple[int, int]:
+        return self.parts.get((role, kind), (0, 0))
+
+
+def split_bytes(ggml_type, n_elements: int) -> tuple[int, int]:
+    """(quant bytes, scale bytes) of n_elements stored as ggml_type, as the kernels' packed layout holds them."""
+    block_size, type_size = GGML_QUANT_SIZES[T(ggml_type)]
+    n_blocks = n_elements // block_size
+    if T(ggml_type) in SCALES_APART:
+        return n_blocks * (type_size - SCALE_BYTES), n_blocks * SCALE_BYTES
+    return n_blocks * type_size, 0
+
+
+def _round_up(n_bytes: int, alignment: int) -> int:
+    return -(-n_bytes // alignment) * alignment
 
 
 @dataclass(frozen=True)
@@ -99,6 +135,25 @@ class Model:
     def largest_expert_blob_bytes(self) -> int:
         """The size of one prefill-ring / expert-cache slot: any trunk expert fits in it."""
         return max(layer.blob_bytes for layer in self.expert_layers)
+
+    @cached_property
+    def slot_layout(self) -> SlotLayout:
+        """Every trunk and drafter expert's parts at the offsets of the largest of each (SlotLayout)."""
+        largest = {}
+        for t in self.tensors:
+            if self.tensor_class[t.name] in ("expert", "drafter_expert"):
+                parts = split_bytes(t.ggml_type, t.shape[0] * t.shape[1])
+                role = tensor_role(t.name)
+                for kind, n_bytes in zip(("data", "scales"), parts):
+                    if n_bytes:
+                        largest[role, kind] = max(largest.get((role, kind), 0), n_bytes)
+        parts, offset = {}, 0
+        for kind in ("data", "scales"):
+            for role in EXPERT_ROLES:
+                if (role, kind) in largest:
+                    parts[role, kind] = (offset, largest[role, kind])
+                    offset = _round_up(offset + largest[role, kind], SLOT_PART_ALIGNMENT_BYTES)
+        return SlotLayout(parts, _round_up(offset, SLOT_ALIGNMENT_BYTES))
 
     @cached_property
     def drafter_dense_bytes(self) -> int:

@@ -52,7 +52,7 @@ class Problem:
 
     @property
     def slot_bytes(self) -> int:
-        return aligned(self.model.largest_expert_blob_bytes)
+        return self.model.slot_layout.slot_bytes
 
     @property
     def full_pages(self) -> int:
@@ -67,15 +67,19 @@ class Problem:
         pages = np.asarray(pages)
         return np.where(pages >= self.full_pages, self.context_tokens, (pages - 1) * self.page_tokens)
 
-    def drafter_pages(self, chunk_tokens: int) -> int:
+    @property
+    def drafter_pages(self) -> int:
+        """The drafter's K/V ring: its window and one page (a window straddles one more). A prompt pass stores
+        only the positions the drafter's window can still reach (the prompt's last `drafter_window`), so no
+        two positions of one chunk share a slot whatever the chunk's size."""
         if not self.mtp:
             return 0
         window_pages = -(-min(self.workload.drafter_window, self.context_tokens) // self.page_tokens)
-        return min(max(window_pages, -(-chunk_tokens // self.page_tokens)) + 1, self.full_pages)
+        return min(window_pages + 1, self.full_pages)
 
     @property
     def room_slots(self) -> int:
-        return aligned(self.fixed_sizes[-1].get("drafter_experts", 0)) // self.slot_bytes
+        return self.fixed_sizes[-1].get("drafter_experts", 0) // self.slot_bytes
 
     @property
     def room_reclaim_s(self) -> float:
@@ -87,8 +91,9 @@ class Problem:
         return kv_ring_bytes(pages, self.page_tokens, self.model.kv_bytes_per_token(self.kv),
                              len(self.shares[device].blocks))
 
-    def drafter_kv_bytes(self, chunk_tokens: int) -> int:
-        return kv_ring_bytes(self.drafter_pages(chunk_tokens), self.page_tokens,
+    @property
+    def drafter_kv_bytes(self) -> int:
+        return kv_ring_bytes(self.drafter_pages, self.page_tokens,
                              self.model.kv_bytes_per_token(self.kv), self.model.hparams.n_nextn)
 
     def arena_bytes(self, chunk_tokens: int) -> int:
@@ -256,7 +261,7 @@ def feasible_cache(problem: Problem, chunk: int, pages, ring_slots, arena: int):
         used = problem.fixed_bytes(i) + aligned(problem.kv_bytes(i, pages)) + aligned(ring_slots * problem.slot_bytes) \
             + arena
         if share.last and problem.mtp:
-            used = used + aligned(problem.drafter_kv_bytes(chunk))
+            used = used + aligned(problem.drafter_kv_bytes)
         left = share.gpu.usable_bytes - used
         slots.append(np.where(left >= 0, np.minimum(left // problem.slot_bytes, problem.cache_slots_max(i)), -1))
     return slots
@@ -369,7 +374,7 @@ def refusal(problem: Problem) -> DoesNotFit:
                 "activation arena": problem.arena_bytes(chunk), "tables": fixed["tables"]}
         if share.last and problem.mtp:
             need["drafter (MTP)"] = aligned(fixed["drafter_dense"]) + aligned(fixed["drafter_experts"]) + \
-                problem.drafter_kv_bytes(chunk)
+                problem.drafter_kv_bytes
         total = sum(aligned(v) for v in need.values())
         if total > share.gpu.usable_bytes:
             floor = max(need, key=need.get)
@@ -394,7 +399,7 @@ def regions(problem: Problem, knobs: Knobs) -> list:
                  "prefill_ring": knobs.ring_slots * problem.slot_bytes,
                  "arena": problem.arena_bytes(knobs.chunk_tokens)}
         if share.last and problem.mtp:
-            sizes["drafter_kv"] = problem.drafter_kv_bytes(knobs.chunk_tokens)
+            sizes["drafter_kv"] = problem.drafter_kv_bytes
         result.extend(carve(i, sizes))
     return result
 

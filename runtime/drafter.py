@@ -1,7 +1,8 @@
 """The MTP drafter: glm4moe's NextN block, proposing tokens that one verify window of the trunk checks.
 
 Where it lives (the plan's regions): its dense tensors in `drafter_dense`; every routed expert of its block in
-`drafter_experts`, expert e in slot e (its expert table is the identity); its K/V on its own ring
+`drafter_experts`, a slot each of the experts' slot array (`runtime.experts`: expert e in slot first_slot + e,
+which its expert table says; a prompt read with the room open lends them to the ring); its K/V on its own ring
 (`drafter_kv`, page table `drafter_page_table`) of `drafter_kv_pages` pages, which hold its window
 (`drafter_window_tokens` positions) and a prompt chunk: no host copy, its attention reads only that window.
 
@@ -39,25 +40,24 @@ class DraftStats:
 
 
 class Drafter:
-    def __init__(self, arena, tables: dict, kv, hparams, knobs: dict, context_tokens: int, progress):
+    def __init__(self, arena, tables: dict, kv, hparams, knobs: dict, context_tokens: int, progress, first_slot: int):
         self.layer = hparams.n_trunk
         self.window_tokens = knobs["drafter_window_tokens"]
         self.ring = KVRing(arena, tables["drafter_page_table"], kv, hparams, knobs["drafter_kv_pages"],
                            knobs["page_tokens"], context_tokens, progress, region="drafter_kv", layers=[self.layer],
                            host_copy=False)
         self.expert_slots = tables["drafter_slots"]
-        identity = cuda.pinned_array(hparams.n_expert, np.int32)
-        identity[:] = np.arange(hparams.n_expert)
-        copy_rows(self.expert_slots, 0, identity, 0, hparams.n_expert, cuda.default_stream())
+        slots = cuda.pinned_array(hparams.n_expert, np.int32)
+        slots[:] = first_slot + np.arange(hparams.n_expert)
+        copy_rows(self.expert_slots, 0, slots, 0, hparams.n_expert, cuda.default_stream())
         cuda.default_stream().synchronize()
-        self.carvers = {"drafter_dense": arena.carver("drafter_dense"),
-                        "drafter_expert": arena.carver("drafter_experts")}
+        self.dense = arena.carver("drafter_dense")
         self.weights = {}
         self.stats = DraftStats()
 
-    def load(self, name: str, tensor_class: str, packed) -> None:
-        """One of the NextN block's tensors (class drafter_dense or drafter_expert) into its region."""
-        self.weights[name] = self.carvers[tensor_class].weight(packed)
+    def load(self, name: str, packed) -> None:
+        """One of the NextN block's dense tensors into its region."""
+        self.weights[name] = self.dense.weight(packed)
 
     def lowering(self) -> dict:
         """What `codegen.lower.program.lower` needs for the drafter's block, by argument, for its layer."""

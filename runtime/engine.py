@@ -67,10 +67,12 @@ class _Totals:
 
 class Engine:
     def __init__(self, plan, model, progress: bool = True, seed: int | None = None, tensors=None,
-                 refresh_steps: int = REFRESH_STEPS):
+                 refresh_steps: int = REFRESH_STEPS, room_min_read_tokens="plan"):
         """model: the GGUF file the plan was made for (or a model card, with `tensors`); tensors: (name,
         PackedWeight) pairs to load instead of the file's data (benchmarks build weights in memory);
-        refresh_steps: decode steps between expert-cache refreshes."""
+        refresh_steps: decode steps between expert-cache refreshes; room_min_read_tokens: the drafter room
+        opens for requests that read at least this many prompt tokens: "plan" (the plan's threshold), a
+        number (0: every request), or None (never: the A/B switch)."""
         self.refresh_steps = refresh_steps
         started = time.perf_counter()
         self.progress = Progress(progress)
@@ -94,11 +96,15 @@ class Engine:
         self._carve_tables(settings["context_tokens"])
         self.kv_ring = KVRing(self.arena, self.tables["page_table"], self.kv, self.hp, self.knobs["kv_pages"],
                               self.knobs["page_tokens"], settings["context_tokens"], self.progress)
+        self.experts = ExpertStore(self.arena, self.tables, self.moe_blocks, self._expert_shapes(),
+                                   self.model.slot_layout, self.knobs["expert_cache_slots"][0],
+                                   self.knobs["prefill_ring_slots"], self.refresh_steps)
         self.drafter = None
         if self._has_drafter():
             self.drafter = Drafter(self.arena, self.tables, self.kv, self.hp, self.knobs, settings["context_tokens"],
-                                   self.progress)
+                                   self.progress, self.experts.room_first)
         self.draft_depth = self.knobs.get("draft_depth", 0) if self.drafter else 0
+        self.room_min_read_tokens = self._check_room(room_min_read_tokens)
         self._load_weights(tensors)
         self.programs, self.graphs = {}, {}
         self.decode_ids = cuda.pinned_array((len(self.moe_blocks), MAX_WINDOW, self.hp.n_expert_used), np.int32)
@@ -123,6 +129,22 @@ class Engine:
         speculative decoding is on)."""
         return bool(self.plan.settings.get("mtp")) and self.hp.n_nextn > 0 and self.arena.has("drafter_kv")
 
+    def _check_room(self, room_min_read_tokens):
+        """The threshold the room opens at (None: never), refused where the engine has no room to lend."""
+        if room_min_read_tokens == "plan":
+            return self.knobs.get("room_min_read_tokens") if self.drafter else None
+        if room_min_read_tokens is None:
+            return None
+        if self.drafter is None:
+            reason = ("the model has no NextN layer" if not self.hp.n_nextn
+                      else "the plan was made without speculative decoding (no drafter regions)")
+            raise StratumError(f"room_min_read_tokens {room_min_read_tokens}: there is no drafter room to open "
+                               f"({reason})")
+        if not isinstance(room_min_read_tokens, int) or room_min_read_tokens < 0:
+            raise StratumError(f"room_min_read_tokens {room_min_read_tokens!r}: \"plan\", a number of tokens >= 0, "
+                               "or None (never)")
+        return room_min_read_tokens
+
     def _carve_tables(self, context_tokens: int) -> None:
         full_pages = -(-context_tokens // self.knobs["page_tokens"])
         carver = self.arena.carver("tables")
@@ -130,9 +152,12 @@ class Engine:
         self.tables = {name: carver.array((size // 4,), np.int32) for name, size in sizes.items()}
 
     def _expert_shapes(self) -> dict:
+        """matrix -> (type, shape) of every routed expert tensor (the drafter's too, with the drafter: one
+        slot array holds them all)."""
         shapes = {}
+        classes = ("expert", "drafter_expert") if self._has_drafter() else ("expert",)
         for t in self.model.tensors:
-            if self.model.tensor_class[t.name] != "expert":
+            if self.model.tensor_class[t.name] not in classes:
                 continue
             matrix = t.name.split(".")[2]
             shape = (t.ggml_type, tuple(reversed(t.shape)))
@@ -145,9 +170,6 @@ class Engine:
         return shapes
 
     def _load_weights(self, tensors) -> None:
-        self.experts = ExpertStore(self.arena, self.tables, self.moe_blocks, self._expert_shapes(),
-                                   self.knobs["expert_cache_slots"][0], self.knobs["prefill_ring_slots"],
-                                   self.refresh_steps)
         dense = self.arena.carver("dense")
         self.weights = {}
         loaded = ("dense", "expert", "drafter_dense", "drafter_expert") if self.drafter else ("dense", "expert")
@@ -160,18 +182,25 @@ class Engine:
                 self.weights[name] = dense.weight(packed)
             elif kind == "expert":
                 self.experts.load(tensor_layer(name), name.split(".")[2], packed)
-            elif self.drafter is not None:
-                self.drafter.load(name, kind, packed)
-                self.weights[name] = self.drafter.weights[name]
-            else:
+            elif self.drafter is None:
                 continue        # the drafter's tensors, in a plan without speculative decoding
+            elif kind == "drafter_expert":
+                self.experts.load_drafter(name.split(".")[2], packed, self.room_min_read_tokens is not None)
+            else:
+                self.drafter.load(name, packed)
+                self.weights[name] = self.drafter.weights[name]
             self.progress.advance(packed.nbytes)
-        for block in self.moe_blocks:
+        for block in self.moe_blocks + ([self.drafter.layer] if self.drafter else []):
             for matrix in MATRICES:
                 self.weights[f"blk.{block}.{matrix}.weight"] = self.experts.slots[matrix]
         self.experts.write_decode_tables()
         cuda.synchronize()
         self.progress.finish()
+        if self.room_min_read_tokens is not None:
+            room_bytes = self.experts.n_room * self.model.slot_layout.slot_bytes
+            self.progress.note(f"drafter room: {self.experts.n_room} slots ({room_bytes / 2 ** 20:.1f} MiB) lent to the "
+                               f"prefill ring ({self.experts.n_ring} slots) by requests that read at least "
+                               f"{self.room_min_read_tokens} prompt tokens")
 
     def _warm_up(self) -> None:
         """Compile every kernel and capture the decode step, and with the drafter a draft step and a verify
@@ -241,7 +270,10 @@ class Engine:
     def _prefill(self, token_ids, start: int) -> np.ndarray:
         """Read positions start.. in chunks of the plan's size; the last position's logits. With the drafter,
         each chunk stores the drafter's K/V too (row q with the token at q + 1; the last row's is not known
-        yet: 0, stored again by the first draft step), and the last position's hidden state is kept for it."""
+        yet: 0, stored again by the first draft step), and the last position's hidden state is kept for it.
+        Only the drafter's positions its window can still reach are stored (the prompt's last window): their
+        pages take drafter ring slots, and the store skips rows whose page has none."""
+        reach_from = start + len(token_ids) - self.drafter.window_tokens if self.drafter is not None else 0
         for begin in range(0, len(token_ids), self.chunk_tokens):
             piece = token_ids[begin:begin + self.chunk_tokens]
             program = self._program("prefill", len(piece))
@@ -250,7 +282,8 @@ class Engine:
             if self.drafter is not None:
                 next_ids = list(token_ids[begin + 1:begin + len(piece) + 1])
                 next_ids += [0] * (len(piece) - len(next_ids))
-                self.drafter.ring.claim(start + begin, start + begin + len(piece), self.compute)
+                if start + begin + len(piece) > reach_from:
+                    self.drafter.ring.claim(max(start + begin, reach_from), start + begin + len(piece), self.compute)
             self._inputs(program, piece, start + begin, next_ids)
             self._run_prefill(program)
         if self.drafter is not None:
@@ -358,15 +391,29 @@ class Engine:
                 reused = min(len(prefix), len(prompt) - 1)
         called = time.perf_counter()
         self.experts.settle(self.compute)
+        if self.experts.room_open:      # a request stopped while it read its prompt left the room open
+            self.experts.close_room(self.compute)
+        read = len(prompt) - reused
+        room = self.room_min_read_tokens is not None and read >= self.room_min_read_tokens
+        if room:
+            self.experts.open_room()
         row = self._prefill(prompt[reused:], reused)
         if conversation is not None:
             self.kv_owner = (conversation, tuple(prompt))
+        lend_s = self.experts.close_room(self.compute) if room else 0.0
         prefill_s = time.perf_counter() - called
-        self.totals.prefill_tokens += len(prompt) - reused
+        self.totals.prefill_tokens += read
         self.totals.prefill_s += prefill_s
         self.totals.reused_tokens += reused
         self.totals.requests += 1
-        self.totals.last = {"prompt_tokens": len(prompt), "reused_tokens": reused, "prefill_s": prefill_s}
+        self.totals.last = {"prompt_tokens": len(prompt), "reused_tokens": reused, "prefill_s": prefill_s,
+                            "room_open": room}
+        if room:
+            self.experts.stats.room_requests += 1
+            self.experts.stats.room_lend_s += lend_s
+            self.totals.last["room_lend_s"] = lend_s
+            self.progress.note(f"drafter room: read {read} tokens with {self.experts.n_ring + self.experts.n_room} "
+                               f"ring slots, given back in {lend_s * 1e3:.1f} ms")
         position, decode_started = len(prompt), time.perf_counter()
         pending = [(self._choose(row, temperature), row)]      # (token, the logits it was chosen from)
         produced = 0
@@ -453,6 +500,7 @@ class Engine:
                 "decode_tokens": t.decode_tokens, "decode_tok_s": _rate(t.decode_tokens, t.decode_s),
                 "reused_tokens": t.reused_tokens, "expert_cache_hit_rate": round(e.hit_rate, 4),
                 "expert_bytes_copied": e.streamed_bytes, "experts_refreshed": e.refreshed_experts,
+                "room_requests": e.room_requests, "room_lend_s": round(e.room_lend_s, 4),
                 "device_bytes": self.arena.nbytes, "kernels": kernel_counts(), **self._draft_stats(),
                 "last_request": dict(t.last)}
 

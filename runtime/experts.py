@@ -1,9 +1,17 @@
-"""Routed experts on the device: decode's expert cache, the prefill ring, and the host copy.
+"""Routed experts on the device: decode's expert cache, the prefill ring, the drafter's block (the room), and
+the host copy.
 
-VRAM slots: the plan's `expert_cache` and `prefill_ring` regions are adjacent, so their bytes hold one slot
-array per expert matrix, (slots, rows, cols) in the packed layout: cache slots first (split evenly over the MoE
-blocks), ring slots after. A block's expert-slot table (in the plan's `tables` region) maps an expert to its
-slot, or to -1: the kernel then reads the host copy, mapped pinned memory, in place (zero-copy, no host sync).
+VRAM slots: the plan's `expert_cache`, `prefill_ring` and `drafter_experts` regions lie back to back, one array
+of slots, blob-major (`planner.model.SlotLayout`: slot s starts s * slot_bytes after slot 0, each matrix's
+quants and scales at fixed offsets in it): cache slots first (split evenly over the MoE blocks), ring slots
+after, then the drafter's experts, expert e in slot `room_first + e`. A block's expert-slot table (in the plan's
+`tables` region) maps an expert to its slot, or to -1: the kernel then reads the host copy, mapped pinned
+memory, in place (zero-copy, no host sync).
+
+The room: while a long prompt is read, the drafter's slots serve as more ring slots, in place (read only by
+the drafter's decode steps, never by a prompt pass). Opening and closing it changes only the ring's slot count:
+nothing is freed, moved or laid out again, so lowered passes and captured graphs stay valid. Closing copies the
+drafter's experts back from their pinned host copy (taken at start) before decode, when the ring wrote them.
 
 Prefill: per block, the experts the chunk routes to that are not cached stream through the ring in batches of
 half the ring, in ascending expert id, so a batch's copies (on the copy stream) overlap the previous batch's
@@ -20,13 +28,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codegen.lower.cuda import copy_rows, cuda, event_done, mapped_device_view, mapped_filled, mapped_host_view
+import time
+
+from codegen.lower.cuda import (copy_into_rows, copy_rows, cuda, event_done, mapped_device_view, mapped_filled,
+                                mapped_host_view)
 from codegen.lower.weights import DeviceWeight, packed_layout, placeholder_scales
 from planner.errors import StratumError
 
 MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 REFRESH_STEPS = 16
-SLOT_ALIGNMENT_BYTES = 16
 
 
 @dataclass
@@ -35,6 +45,9 @@ class ExpertStats:
     decode_hits: int = 0            # ... of them from a VRAM slot
     streamed_bytes: int = 0         # copied host -> ring by prefill
     refreshed_experts: int = 0      # loaded into the cache by refreshes
+    room_requests: int = 0          # requests that read their prompt with the room open
+    room_reclaims: int = 0          # of them, those whose ring wrote into the drafter's slots (copied back)
+    room_lend_s: float = 0.0        # their time giving the room back (the drafter's experts copied in again)
 
     @property
     def hit_rate(self) -> float:
@@ -42,10 +55,11 @@ class ExpertStats:
 
 
 class ExpertStore:
-    def __init__(self, arena, tables: dict, moe_blocks: list, shapes: dict, cache_slots: int, ring_slots: int,
-                 refresh_steps: int = REFRESH_STEPS):
-        """shapes: matrix -> (ggml type, (n_expert, rows, cols)), the same in every block (checked by the
-        caller); tables: name -> int32 device table (`planner.layout.table_sizes`)."""
+    def __init__(self, arena, tables: dict, moe_blocks: list, shapes: dict, layout, cache_slots: int,
+                 ring_slots: int, refresh_steps: int = REFRESH_STEPS):
+        """shapes: matrix -> (ggml type, (n_expert, rows, cols)), the same in every block and the drafter's
+        (checked by the caller); layout: the model's `SlotLayout`; tables: name -> int32 device table
+        (`planner.layout.table_sizes`)."""
         self.refresh_steps = refresh_steps
         self.blocks = list(moe_blocks)
         self.n_expert = shapes[MATRICES[0]][1][0]
@@ -53,10 +67,15 @@ class ExpertStore:
         counts = [min(self.n_expert, per_block + (i < extra)) for i in range(len(self.blocks))]
         self.n_cache = sum(counts)
         self.n_ring = ring_slots
-        regions = [name for name in ("expert_cache", "prefill_ring") if arena.has(name)]
-        carver = arena.carver(*regions, alignment=SLOT_ALIGNMENT_BYTES)
-        n_slots = self.n_cache + self.n_ring
-        self.slots = {m: carver.empty_weight(t, (n_slots, *shape[1:])) for m, (t, shape) in shapes.items()}
+        self.room_first = self.n_cache + self.n_ring          # the drafter's expert e is slot room_first + e
+        self.n_room = self.n_expert if arena.has("drafter_experts") else 0
+        self.room_open = False
+        self.room_written = False       # whether the ring wrote into the drafter's slots since they were loaded
+        self.layout = layout
+        regions = [name for name in ("expert_cache", "prefill_ring", "drafter_experts") if arena.has(name)]
+        self.blobs = arena.carver(*regions).array((self.room_first + self.n_room, layout.slot_bytes), np.uint8)
+        self.slots = {m: self._slot_weight(m, t, shape) for m, (t, shape) in shapes.items()}
+        self.drafter_host = {}          # matrix -> (data, scales or None): pinned, what closing the room copies
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         # block -> {expert: slot}: the cache starts with each block's lowest ids
         self.resident = {b: {e: int(starts[i]) + e for e in range(counts[i])} for i, b in enumerate(self.blocks)}
@@ -88,13 +107,32 @@ class ExpertStore:
     # ---------------------------------------------------------------------------------------------------
     # start
 
+    def _slot_weight(self, matrix: str, ggml_type, shape) -> DeviceWeight:
+        """What the kernels read of one matrix in every slot: flat views of the blobs from slot 0's part on
+        (`DeviceWeight.slot_bytes`)."""
+        (data_shape, dtype), scales_shape = packed_layout(ggml_type, shape)
+        flat = self.blobs.reshape(-1)
+        n_slots, slot_bytes = self.blobs.shape
+
+        def part(kind, dtype, part_shape):
+            offset = self.layout.part(matrix, kind)[0]
+            n_bytes = int(np.prod(part_shape[1:])) * np.dtype(dtype).itemsize      # one expert's
+            return flat[offset:offset + (n_slots - 1) * slot_bytes + n_bytes].view(dtype)
+        data = part("data", dtype, data_shape)
+        scales = part("scales", np.float16, scales_shape) if scales_shape else placeholder_scales(data)
+        return DeviceWeight(ggml_type, (n_slots, *shape[1:]), data, scales, slot_bytes)
+
+    def _write_slots(self, matrix: str, slot: int, data, scales, first: int, count: int, stream) -> None:
+        """Experts first..first + count - 1 of one matrix (host arrays, an expert a row) into slots slot.."""
+        for kind, source in (("data", data), ("scales", scales)):
+            if source is not None:
+                copy_into_rows(self.blobs, slot, self.layout.part(matrix, kind)[0], source, first, count, stream)
+
     def load(self, block: int, matrix: str, packed) -> None:
         """A block's experts of one matrix from the GGUF: the cached ones into their slots, all of them into
         the host copy (mapped pinned memory, taken now, not on the first request) when any can miss."""
         for expert, slot in self.resident[block].items():
-            self._slot(matrix, slot, 1).data.copy_to_device(packed.data[expert:expert + 1])
-            if packed.scales is not None:
-                self._slot(matrix, slot, 1).scales.copy_to_device(packed.scales[expert:expert + 1])
+            self._write_slots(matrix, slot, packed.data, packed.scales, expert, 1, cuda.default_stream())
         if self.needs_host:
             (data_shape, dtype), scales_shape = packed_layout(packed.ggml_type, packed.shape)
             data = mapped_filled(data_shape, dtype, packed.data)
@@ -105,6 +143,22 @@ class ExpertStore:
             scales_view = mapped_device_view(scales) if scales_shape else placeholder_scales(data_view)
             self.host.setdefault(block, {})[matrix] = DeviceWeight(packed.ggml_type, packed.shape, data_view,
                                                                    scales_view)
+
+    def load_drafter(self, matrix: str, packed, lendable: bool) -> None:
+        """The drafter's experts of one matrix into their slots, and (lendable: the room may open) into
+        pinned host memory, taken now, which closing the room copies them back from."""
+        stream = cuda.default_stream()
+        if lendable:
+            pinned = []
+            for array in (packed.data, packed.scales):
+                if array is not None:
+                    pinned.append(cuda.pinned_array(array.shape, array.dtype))
+                    pinned[-1][...] = array
+                else:
+                    pinned.append(None)
+            self.drafter_host[matrix] = tuple(pinned)
+        self._write_slots(matrix, self.room_first, packed.data, packed.scales, 0, self.n_expert, stream)
+        stream.synchronize()
 
     def write_decode_tables(self, stream=0) -> None:
         for block in self.blocks:
@@ -121,21 +175,48 @@ class ExpertStore:
         source = self.host.get(block, self.slots)
         return tuple(source[m] for m in MATRICES)
 
-    def _slot(self, matrix: str, first: int, count: int) -> DeviceWeight:
-        w = self.slots[matrix]
-        scales = w.scales[first:first + count] if w.scales.ndim > 1 else w.scales
-        return DeviceWeight(w.ggml_type, (count, *w.shape[1:]), w.data[first:first + count], scales)
+    # ---------------------------------------------------------------------------------------------------
+    # the room
+
+    def open_room(self) -> None:
+        """Lend the drafter's slots to the prefill ring (before the ring is used for a request)."""
+        if not self.n_room:
+            raise StratumError("this engine has no drafter room (no drafter_experts region in the plan)")
+        self.room_open = True
+
+    def close_room(self, compute) -> float:
+        """Give the room back: the drafter's experts copied in again from their host copy when the ring wrote
+        over them, on the copy stream after compute is done with the ring; waits for the copies (decode's
+        drafter reads those slots). Returns the seconds it took (0 when nothing was written)."""
+        self.room_open = False
+        if not self.room_written:
+            return 0.0
+        started = time.perf_counter()
+        done_with_ring = cuda.event()
+        done_with_ring.record(compute)
+        done_with_ring.wait(self.copy_stream)
+        for matrix, (data, scales) in self.drafter_host.items():
+            self._write_slots(matrix, self.room_first, data, scales, 0, self.n_expert, self.copy_stream)
+        self.copy_stream.synchronize()
+        self.room_written = False
+        self.stats.room_reclaims += 1
+        return time.perf_counter() - started
 
     # ---------------------------------------------------------------------------------------------------
     # prefill
+
+    @property
+    def ring_slots(self) -> int:
+        """The prefill ring's slots now: the plan's, and the drafter's while the room is open."""
+        return self.n_ring + (self.n_room if self.room_open else 0)
 
     def prefill_batches(self, block: int, needed) -> tuple:
         """(expert-slot table, [(lo, hi, ring base slot, streamed experts)]) for the experts a chunk needs."""
         resident = self.resident[block]
         streamed = [int(e) for e in needed if int(e) not in resident]
-        if streamed and self.n_ring == 0:
+        if streamed and self.ring_slots == 0:
             raise StratumError("the plan has no prefill-ring slots but not every expert is cached")
-        half = max(1, self.n_ring // 2)
+        half = max(1, self.ring_slots // 2)
         groups = [streamed[i:i + half] for i in range(0, len(streamed), half)] or [[]]
         table = self.decode_table(block)
         batches = []
@@ -162,6 +243,7 @@ class ExpertStore:
                     self.ring_free[half].wait(self.copy_stream)
                 for first, count in _runs(group):
                     slot = base + group.index(first)
+                    self.room_written |= slot + count > self.room_first
                     for matrix in MATRICES:
                         self._copy_in(block, matrix, first, count, slot, self.copy_stream)
                 self.ring_copied[half].record(self.copy_stream)
@@ -174,12 +256,8 @@ class ExpertStore:
         """Experts first..first + count - 1 of a block's matrix from the host copy into slots slot.. (a
         host-to-device copy from pinned memory, asynchronous on `stream`)."""
         data, scales = self.host_arrays[block, matrix]
-        into = self.slots[matrix]
-        copy_rows(into.data, slot, data, first, count, stream)
-        self.stats.streamed_bytes += count * data.strides[0]
-        if scales is not None:
-            copy_rows(into.scales, slot, scales, first, count, stream)
-            self.stats.streamed_bytes += count * scales.strides[0]
+        self._write_slots(matrix, slot, data, scales, first, count, stream)
+        self.stats.streamed_bytes += count * (data.strides[0] + (0 if scales is None else scales.strides[0]))
 
     # ---------------------------------------------------------------------------------------------------
     # decode

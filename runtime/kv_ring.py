@@ -43,20 +43,21 @@ class KVRing:
             progress.finish()
         self.holds = np.full(n_slots, -1, np.int64)           # slot -> the page it holds
         self.pages_index = np.arange(self.full_pages)
-        self.written = False                                  # whether the table was written yet
         self.staging = cuda.pinned_array(self.full_pages, np.int32)
+        self.staging[:] = -1        # no page yet: a pass that claims none (the drafter's, early in a prompt) stores none
+        copy_rows(self.page_table, 0, self.staging, 0, self.full_pages, cuda.default_stream())
+        cuda.default_stream().synchronize()
 
     def claim(self, start: int, end: int, stream) -> None:
         """Before a pass that stores positions start..end - 1: their pages take their slots, and the table
         says where every page now is (written on `stream` from pinned staging; every pass ends in a host
         sync, so the staging is free again by the next claim)."""
         pages = range(start // self.page_tokens, (end - 1) // self.page_tokens + 1)
-        if self.written and all(self.holds[page % self.n_slots] == page for page in pages):
+        if all(self.holds[page % self.n_slots] == page for page in pages):
             return          # the table follows from `holds` alone, and they have not changed (most decode steps)
         for page in pages:
             self.holds[page % self.n_slots] = page
         slots = self.pages_index % self.n_slots
         self.staging[:] = np.where(self.holds[slots] == self.pages_index, slots, -1)
         copy_rows(self.page_table, 0, self.staging, 0, self.full_pages, stream)
-        self.written = True
 

@@ -28,6 +28,12 @@ class Progress:
         self.stream.write(f"{redraw}{self.label}: done in {seconds:.1f} s{f' ({note})' if note else ''}\n")
         self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """One line of its own (what the engine tells about a request, e.g. the drafter room's use)."""
+        if self.enabled:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
     def _draw(self, force: bool = False) -> None:
         if not self.enabled or not self.stream.isatty():
             return

@@ -45,6 +45,18 @@ def test_known_size_of_qwen3_30b_a3b_q8_0():
     assert model.largest_expert_blob_bytes == (2 * 768 * 2048 + 2048 * 768) // 32 * 34
 
 
+def test_a_slot_holds_each_experts_quants_then_scales_on_16_byte_offsets():
+    model = load_model("qwen3-30b-a3b-q8_0")
+    layout = model.slot_layout
+    quants, scales = 768 * 2048, 768 * 2048 // 32 * 2       # one matrix of one expert, Q8_0
+    assert layout.parts == {
+        ("ffn_gate_exps", "data"): (0, quants), ("ffn_up_exps", "data"): (quants, quants),
+        ("ffn_down_exps", "data"): (2 * quants, quants), ("ffn_gate_exps", "scales"): (3 * quants, scales),
+        ("ffn_up_exps", "scales"): (3 * quants + scales, scales),
+        ("ffn_down_exps", "scales"): (3 * quants + 2 * scales, scales)}
+    assert layout.slot_bytes == model.largest_expert_blob_bytes     # 5013504 bytes: already 256-aligned
+
+
 @pytest.mark.parametrize("kv, per_token", [("f16", 2 * 4 * 128 * 2), ("q8_0", 2 * 4 * 128 // 32 * 34),
                                            ("q4_0", 2 * 4 * 128 // 32 * 18),
                                            ("k8v4", 4 * 128 // 32 * 34 + 4 * 128 // 32 * 18)])

@@ -208,6 +208,37 @@ def copy_rows(dst, dst_row: int, src, src_row: int, rows: int, stream) -> None:
         raise RuntimeError(f"an asynchronous copy of {rows * row_bytes} bytes failed: {err}")
 
 
+def copy_into_rows(dst, dst_row: int, offset_bytes: int, src, src_row: int, rows: int, stream) -> None:
+    """Rows src_row.. of a page-locked host array into rows dst_row.. of a 2-D uint8 device array, each at
+    byte offset_bytes of its row (rows of different lengths: a source row is a part of a longer destination
+    row, as an expert matrix is of a blob-major slot), asynchronous on `stream`: one pitched driver copy."""
+    row_bytes = src.strides[0]
+    if not src.flags.c_contiguous or offset_bytes + row_bytes > dst.shape[1] or dst.dtype != np.uint8:
+        raise ValueError(f"copy_into_rows: rows of {row_bytes} bytes at offset {offset_bytes} do not fit "
+                         f"uint8 rows of {dst.shape[1]} bytes")
+    if not (0 <= src_row <= src_row + rows <= src.shape[0] and 0 <= dst_row <= dst_row + rows <= dst.shape[0]):
+        raise ValueError(f"rows {src_row}..{src_row + rows} into {dst_row}..{dst_row + rows}: outside "
+                         f"{src.shape[0]} and {dst.shape[0]} rows")
+    if SIMULATOR:
+        flat = src.reshape(src.shape[0], -1).view(np.uint8)
+        for i in range(rows):
+            dst[dst_row + i, offset_bytes:offset_bytes + row_bytes].copy_to_device(flat[src_row + i], stream=stream)
+        return
+    from cuda.bindings import driver
+    copy = driver.CUDA_MEMCPY2D()
+    copy.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_HOST
+    copy.srcHost = src.ctypes.data + src_row * row_bytes
+    copy.srcPitch = row_bytes
+    copy.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    copy.dstDevice = dst.device_ctypes_pointer.value + dst_row * dst.strides[0] + offset_bytes
+    copy.dstPitch = dst.strides[0]
+    copy.WidthInBytes = row_bytes
+    copy.Height = rows
+    err, = driver.cuMemcpy2DAsync(copy, driver.CUstream(int(stream.handle)))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"an asynchronous copy of {rows} rows of {row_bytes} bytes failed: {err}")
+
+
 if not SIMULATOR:
     from cuda.core import LaunchConfig as _LaunchConfig
     from cuda.core import ObjectCode as _ObjectCode

@@ -5,10 +5,13 @@ The groups buffer (`codegen.graph.moe_groups_length`): offsets[n_expert + 1], th
 row * k + slot, ascending within an expert), then active[n_expert + 1] (the count of experts with pairs, then
 those experts ascending). Grids never depend on it: blocks past the work it describes return at once.
 
-Two weight sources. Expert e's gate/up/down rows are read from the VRAM slot arrays (n_slots, rows, cols) at
-index slot_of[e] when slot_of[e] >= 0 (the expert cache, the prefill ring), else from the host arrays
-(n_expert, rows, cols) at index e (the mapped pinned host copy, zero-copy). Same packed layout, same code
-path: a result is bitwise the same whichever source an expert is read from.
+Two weight sources. Expert e's gate/up/down rows are read from the VRAM slot arrays at slot slot_of[e] when
+slot_of[e] >= 0 (the expert cache, the prefill ring, the drafter's block), else from the host arrays
+(n_expert, rows, cols) at index e (the mapped pinned host copy, zero-copy). A slot array is (n_slots, rows,
+cols) contiguous, or blob-major (`slot_bytes` > 0: slot s starts s * slot_bytes after slot 0, the runtime's
+`planner.model.SlotLayout`); a kernel takes each source's expert as a view starting at its first row
+(`ExpertStrides`). Same packed layout, same code path: a result is bitwise the same whichever source or
+slot an expert is read from.
 
 The weighted sum: each output row adds its k terms in ascending expert id order (top-k picks distinct
 experts per row): the term of the row's smallest expert writes out[r] = w * dot, every later one does
@@ -35,6 +38,7 @@ prefill family: each expert is a small GEMM over its gathered pairs, tiled by th
 """
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
@@ -49,14 +53,34 @@ PREFILL_BM = 64         # pair rows of a prefill expert tile (an expert gets row
 X_TILE = (2, BK, PREFILL_BM + PAD)
 
 
+class ExpertStrides(NamedTuple):
+    """Words (int32) and scales (float16) from one expert's first row to the next one's, in the slot arrays
+    and in the host copy."""
+    slot_words: int
+    slot_scales: int
+    host_words: int
+    host_scales: int
+
+
+def expert_strides(ggml_type, n_rows: int, n_in: int, slot_bytes: int) -> ExpertStrides:
+    """The strides of experts of n_rows x n_in values; slot_bytes 0: slot arrays as contiguous as the host's."""
+    fmt = FORMATS[T(ggml_type)]
+    row_words = n_in // fmt.vpw
+    host = (n_rows * row_words, n_rows * row_words // fmt.wps if fmt.wps else 0)
+    slot = (slot_bytes // 4, slot_bytes // 2) if slot_bytes else host
+    return ExpertStrides(*slot, *host)
+
+
 @cuda.jit(device=True, inline=True)
-def _source(slot_of, e, n_rows, wa, sa, wb, sb, hwa, hsa, hwb, hsb):
-    """(first row, words and scales of a, of b) of expert e: its VRAM slot's rows, or (slot -1) its rows in
+def _source(slot_of, e, strides, wa, sa, wb, sb, hwa, hsa, hwb, hsb):
+    """(words and scales of a, of b) of expert e, each a view from its first row: its VRAM slot, or (slot -1)
     the host copy."""
     s = slot_of[e]
     if s >= 0:
-        return s * n_rows, wa, sa, wb, sb
-    return e * n_rows, hwa, hsa, hwb, hsb
+        w, c = s * strides.slot_words, s * strides.slot_scales
+        return wa[w:], sa[c:], wb[w:], sb[c:]
+    w, c = e * strides.host_words, e * strides.host_scales
+    return hwa[w:], hsa[c:], hwb[w:], hsb[c:]
 
 
 @cuda.jit(device=True, inline=True)
@@ -150,7 +174,8 @@ def decode_down_shape(ggml_type, n_ff: int, window: int) -> DecodeShape:
 
 
 @functools.cache
-def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape: DecodeShape):
+def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape: DecodeShape,
+                  strides: ExpertStrides):
     """launch(stream, x, groups, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act): the decode family's routed
     gate/up; expert e's rows come from the slot arrays (g*, u*) at slot_of[e], or the host arrays (hg*, hu*)
     at e when slot_of[e] < 0."""
@@ -177,9 +202,9 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
                 pair[r] = grouped[n_expert + 1 + first + r]
                 xrow[r] = pair[r] // k
         n0 = ((cuda.blockIdx.x & BIDX) * groups + g) * nr
-        base, wa, sa, wb, sb = _source(slot_of, e, n_ff, ga, gs, ua, us, hga, hgs, hua, hus)
+        wa, sa, wb, sb = _source(slot_of, e, strides, ga, gs, ua, us, hga, hgs, hua, hus)
         acc = cuda.local.array(acc_shape, np.float32)
-        dot(wa, sa, wb, sb, base + n0, base + n0, base + n_ff - 1, base + n_ff - 1, x, xrow, nx, lane, acc)
+        dot(wa, sa, wb, sb, n0, n0, n_ff - 1, n_ff - 1, x, xrow, nx, lane, acc)
         reduce(red, g, lane, acc, nx)
         for j in range(lane, nr * window, tg):
             i, r = j // window, j % window
@@ -195,7 +220,8 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
 
 
 @functools.cache
-def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: DecodeShape):
+def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: DecodeShape,
+                strides: ExpertStrides):
     """launch(stream, act, groups, route_w, slot_of, dw, ds, hdw, hds, out): the decode family's routed down
     projection with the weighted sum (expert e's rows from dw/ds at slot_of[e], or hdw/hds at e when
     slot_of[e] < 0); the block's groups take the active experts in turn, then each output sums its row's
@@ -222,22 +248,18 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
         acc = cuda.local.array(acc_shape, np.float32)
         for it in range(-(-n_active // groups)):
             y = it * groups + g
-            nx, base, e = 0, 0, 0
-            cached = True
+            nx, e = 0, 0
+            wa, sa = dw, ds
             if y < n_active:
                 e = grouped[active + 1 + y]
                 first = grouped[e]
                 nx = min(grouped[e + 1] - first, window)
-                s = slot_of[e]
-                cached = s >= 0
-                base = (s if cached else e) * n_out
+                wa, sa, _wb, _sb = _source(slot_of, e, strides, dw, ds, dw, ds, hdw, hds, hdw, hds)
                 for r in range(window):
                     if r < nx:
                         pair[r] = grouped[n_expert + 1 + first + r]
                         xrow[r] = pair[r]
-            wa = dw if cached else hdw
-            sa = ds if cached else hds
-            dot(wa, sa, wa, sa, base + n0, base, base + n_out - 1, base, act, xrow, nx, lane, acc)
+            dot(wa, sa, wa, sa, n0, 0, n_out - 1, 0, act, xrow, nx, lane, acc)
             reduce(red, g, lane, acc, nx)
             for j in range(lane, nr * window, tg):
                 if j % window < nx:
@@ -388,7 +410,7 @@ def rank_kernels(n_expert: int, k: int):
 
 
 @functools.cache
-def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, down: bool):
+def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, down: bool, strides: ExpertStrides):
     """kernel[(col tiles, tiles), THREADS](x, groups, route_w, slot_of, wa, sa, wb, sb, hwa, hsa, hwb, hsb,
     out, rank, lo, hi): one tile of one expert e (lo <= e < hi) of its pairs; e's rows from the slot arrays
     (w*, s*) at slot_of[e], or the host arrays (hw*, hs*) at e when slot_of[e] < 0. Pairs are read masked
@@ -448,12 +470,10 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
             xrows[t] = -1 if pairs[t] < 0 else (pairs[t] & PAIR_MASK if down else pairs[t] // k)
         cuda.syncthreads()
         n0 = (cuda.blockIdx.x & BIDX) * cols
-        base, a_words, a_scales, b_words, b_scales = _source(slot_of, e, n_cols, wa, sa, wb, sb,
-                                                             hwa, hsa, hwb, hsb)
-        last = base + n_cols - 1
+        a_words, a_scales, b_words, b_scales = _source(slot_of, e, strides, wa, sa, wb, sb, hwa, hsa, hwb, hsb)
+        last = n_cols - 1
         acc = cuda.local.array((tm, 8), np.float32)
-        tile(x, xrows, a_words, a_scales, b_words, b_scales, base + n0, base + n0 + cols - BN // 2, last, last,
-             xs, ws, acc)
+        tile(x, xrows, a_words, a_scales, b_words, b_scales, n0, n0 + cols - BN // 2, last, last, xs, ws, acc)
         tx, ty = t % 16, t // 16
         for i in range(tm):
             p = pairs[(i // 4) * (bm // (tm // 4)) + ty * 4 + i % 4]
@@ -499,22 +519,23 @@ def _range(family: str, n_expert: int, lo, hi) -> tuple:
 
 
 @functools.cache
-def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_expert: int, k: int):
+def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, slot_bytes: int = 0):
     """launch(stream, x, groups, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None):
     act[r * k + j] = silu(G @ x[r]) * (U @ x[r]) for the pairs whose expert e = ids[r, j] has lo <= e < hi
     (hi None: n_expert; decode: every expert, no range), other act rows untouched; G, U = gate[slot_of[e]],
-    up[slot_of[e]] (gate/up (n_slots, n_ff, n_in)), or host_gate[e], host_up[e] (host_* (n_expert, n_ff,
-    n_in), the same layout) when slot_of[e] < 0."""
+    up[slot_of[e]] (gate/up: slots of n_ff x n_in, contiguous or `slot_bytes` apart), or host_gate[e],
+    host_up[e] (host_* (n_expert, n_ff, n_in), contiguous) when slot_of[e] < 0."""
     check(family, ggml_type, n_in, n_ff)
+    strides = expert_strides(ggml_type, n_ff, n_in, slot_bytes)
     if family == "decode":
         def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None):
             _range(family, n_expert, lo, hi)
             shape = decode_swiglu_shape(ggml_type, n_in, window_rows(x))
-            decode_swiglu(T(ggml_type), n_in, n_ff, n_expert, k, shape)(
+            decode_swiglu(T(ggml_type), n_in, n_ff, n_expert, k, shape, strides)(
                 stream, x, grouped, slot_of, *words(gate), *words(up), *words(host_gate), *words(host_up),
                 act)
         return launch
-    kernel, col_tiles = prefill_kernel(T(ggml_type), n_in, n_ff, n_expert, k, False)
+    kernel, col_tiles = prefill_kernel(T(ggml_type), n_in, n_ff, n_expert, k, False, strides)
 
     def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None):
         lo, hi = _range(family, n_expert, lo, hi)
@@ -527,22 +548,24 @@ def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_exper
 
 
 @functools.cache
-def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert: int, k: int):
+def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, slot_bytes: int = 0):
     """launch(stream, act, groups, route_w, slot_of, down, host_down, out, lo=0, hi=None): out[r] = the sum
     over the row's experts e = ids[r, j], in ascending id order, of route_w[r, j] * (D @ act[r * k + j]), with
-    D = down[slot_of[e]] (down (n_slots, n_out, n_ff)), or host_down[e] ((n_expert, n_out, n_ff)) when
-    slot_of[e] < 0. prefill: only the terms of experts lo <= e < hi (hi None: n_expert); the smallest expert's
-    term writes out[r], the others add, so launches over [0, a), [a, b), ..., [z, n_expert) in that order give
-    bitwise the out of one launch over every expert. decode: every expert, no range."""
+    D = down[slot_of[e]] (down: slots of n_out x n_ff, contiguous or `slot_bytes` apart), or host_down[e]
+    ((n_expert, n_out, n_ff)) when slot_of[e] < 0. prefill: only the terms of experts lo <= e < hi (hi None:
+    n_expert); the smallest expert's term writes out[r], the others add, so launches over [0, a), [a, b), ...,
+    [z, n_expert) in that order give bitwise the out of one launch over every expert. decode: every expert,
+    no range."""
     check(family, ggml_type, n_ff, n_out)
+    strides = expert_strides(ggml_type, n_out, n_ff, slot_bytes)
     if family == "decode":
         def launch(stream, act, grouped, route_w, slot_of, down, host_down, out, lo=0, hi=None):
             _range(family, n_expert, lo, hi)
             shape = decode_down_shape(ggml_type, n_ff, window_rows(route_w))
-            decode_down(T(ggml_type), n_ff, n_out, n_expert, k, shape)(
+            decode_down(T(ggml_type), n_ff, n_out, n_expert, k, shape, strides)(
                 stream, act, grouped, route_w, slot_of, *words(down), *words(host_down), out)
         return launch
-    kernel, col_tiles = prefill_kernel(T(ggml_type), n_ff, n_out, n_expert, k, True)
+    kernel, col_tiles = prefill_kernel(T(ggml_type), n_ff, n_out, n_expert, k, True, strides)
     rank_pairs, unrank_pairs, rank_rows = rank_kernels(n_expert, k)
 
     def launch(stream, act, grouped, route_w, slot_of, down, host_down, out, lo=0, hi=None):

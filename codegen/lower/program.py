@@ -136,14 +136,14 @@ class _Lowering:
             h, groups = inputs
             gate, up = self.weight(weights[0]), self.weight(weights[1])
             launch = moe.make_moe_swiglu_matmul(family, gate.ggml_type, gate.shape[-1], gate.shape[-2],
-                                                   hp.n_expert, hp.n_expert_used)
+                                                   hp.n_expert, hp.n_expert_used, gate.slot_bytes)
             host_gate, host_up, _ = self.host_experts.get(layer, (gate, up, None))     # none: the slot arrays
             return Step(name, launch, (h, groups, self.expert_slots[layer], gate, up, host_gate, host_up, out))
         if op == "moe_down_matmul":
             act, groups, route_weights, _h = inputs     # h: an input only to stay live (codegen.graph)
             down = self.weight(weights[0])
             launch = moe.make_moe_down_matmul(family, down.ggml_type, down.shape[-1], down.shape[-2],
-                                                 hp.n_expert, hp.n_expert_used)
+                                                 hp.n_expert, hp.n_expert_used, down.slot_bytes)
             host_down = self.host_experts.get(layer, (None, None, down))[2]
             return Step(name, launch, (act, groups, route_weights, self.expert_slots[layer], down, host_down, out))
         if op == "kv_store":

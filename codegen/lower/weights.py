@@ -136,6 +136,9 @@ class DeviceWeight:
     shape: tuple
     data: object                 # device array, layout as above
     scales: object               # device float16 array
+    # expert slots blob-major (planner.model.SlotLayout): shape[0] slots, slot s's data and scales start
+    # s * slot_bytes after slot 0's, in flat arrays; 0: the layout above
+    slot_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
