@@ -148,10 +148,16 @@ def cmd_bench(args):
 
 
 def _add_engine_arguments(sub):
-    p = sub.add_parser("run", help="run a plan on this machine's GPU: prompt token ids in, new token ids out")
-    p.add_argument("--plan", required=True, help="a plan YAML (`stratum plan -o`)")
-    p.add_argument("--model", required=True, help="the GGUF file the plan was made for")
-    p.add_argument("--prompt-ids", required=True, help="prompt token ids, e.g. 1,2,3")
+    p = sub.add_parser("run", help="run a model on this machine's GPU: prompt token ids (or text) in, new ones out")
+    p.add_argument("--plan", help="a plan YAML (`stratum plan -o`); default: one solved for --hardware, for a "
+                   "context of the prompt and --max-new-tokens")
+    p.add_argument("--hardware", help="the profile to solve a plan for when --plan is not given (default: the "
+                   "bundled profile of this machine's GPU); with --plan, refuse a plan made for other hardware")
+    p.add_argument("--model", required=True, help="the GGUF file (the one the plan was made for)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3; the new ids are printed")
+    prompt.add_argument("--prompt", help="prompt text, for a model with a byte-level vocabulary (UTF-8 bytes are "
+                        "its token ids); the new text is printed")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--stop-ids", type=int, nargs="*", help="stop after generating one of these ids")

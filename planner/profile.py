@@ -96,6 +96,15 @@ def bundled_profiles() -> list[str]:
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
 
 
+def profile_for_gpu(gpu_name: str) -> str:
+    """The bundled profile of one GPU named `gpu_name` (as the CUDA driver names it, in any case)."""
+    for name in bundled_profiles():
+        if [gpu.name.lower() for gpu in load_profile(name).gpus] == [gpu_name.lower()]:
+            return name
+    raise StratumError(f"no bundled hardware profile is for this GPU ({gpu_name}); give --hardware, one of "
+                       f"{', '.join(bundled_profiles())}, or a profile YAML")
+
+
 def load_profile(name_or_path) -> Profile:
     path = Path(name_or_path)
     if not path.suffix and not path.exists():

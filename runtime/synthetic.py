@@ -1,6 +1,7 @@
 """Random MoE models shaped like real ones: tiny GGUF files for tests, real-shape packed weights for benchmarks.
 
     write_model(path, "glm4moe", seed=1, types={"experts": "q8_0", "dense": "f16"})   # a valid GGUF, ~100 KB
+    write_weights(path, "glm4moe", trained, name="demo", n_embd=512, ...)            # given values, same layout
     for name, packed in realistic_weights("qwen3-30b-a3b-q8_0", seed=1):             # one tensor at a time
         ...upload(packed)...
 
@@ -92,18 +93,50 @@ def write_model(path, architecture: str, *, seed: int, types: dict | None = None
     the router stay F32 unless their own role is named.
     """
     metadata, hp = _describe(architecture, nextn, shape)
-    structure = _Structure(hp, seed, skew)
-    shapes = [(name, tuple(reversed(gguf_shape))) for name, gguf_shape in tensor_layout(hp)]
-    resolve = _type_resolver(types, {tensor_role(name) for name, _ in shapes})
-    tensor_types = [resolve(name, shape, T.F32) for name, shape in shapes]     # refused before a file exists
+    return _write(path, f"stratum synthetic {architecture}", metadata, hp, _Structure(hp, seed, skew).values, types)
+
+
+def write_weights(path, architecture: str, tensors: dict, *, name: str, types: dict | None = None,
+                  nextn: int | None = None, strings: dict | None = None, **shape) -> Path:
+    """Write given weights (a trained model's) as a GGUF of `architecture`; returns its path.
+
+    tensors: every tensor of the layout by name, float values in numpy order (linear (out, in), experts
+    (n_expert, out, in)); name: the model's `general.name`; strings: more metadata, string values (a
+    tokenizer's); shape, nextn and types as in `write_model`.
+    """
+    metadata, hp = _describe(architecture, nextn, shape)
+    layout = {tensor: tuple(reversed(gguf_shape)) for tensor, gguf_shape in tensor_layout(hp)}
+    unexpected = sorted(set(tensors) ^ set(layout))
+    if unexpected:
+        which = "not in" if unexpected[0] in tensors else "missing from"
+        raise StratumError(f"tensor {unexpected[0]!r} is {which} the {architecture} layout of this shape")
+    for tensor, numpy_shape in layout.items():
+        if tuple(np.shape(tensors[tensor])) != numpy_shape:
+            raise StratumError(f"tensor {tensor!r} has shape {list(np.shape(tensors[tensor]))}, expected "
+                               f"{list(numpy_shape)} (numpy order)")
+    metadata.update({key: ("str", value) for key, value in (strings or {}).items()})
+    return _write(path, name, metadata, hp, lambda tensor, _: tensors[tensor], types)
+
+
+def shape_hparams(architecture: str, nextn: int | None = None, **shape) -> HParams:
+    """The hyperparameters `write_model` and `write_weights` write for a shape (the defaults for the rest)."""
+    return _describe(architecture, nextn, shape)[1]
+
+
+def _write(path, name: str, metadata: dict, hp: HParams, values, types: dict | None) -> Path:
+    """The GGUF of `hp`'s layout: tensor values from values(name, numpy shape), stored in `types`."""
+    shapes = [(tensor, tuple(reversed(gguf_shape))) for tensor, gguf_shape in tensor_layout(hp)]
+    resolve = _type_resolver(types, {tensor_role(tensor) for tensor, _ in shapes})
+    tensor_types = [resolve(tensor, shape, T.F32) for tensor, shape in shapes]     # refused before a file exists
     path = Path(path)
-    writer = GGUFWriter(str(path), architecture)
-    writer.add_name(f"stratum synthetic {architecture}")
+    writer = GGUFWriter(str(path), hp.architecture)
+    writer.add_name(name)
+    adders = {"u32": writer.add_uint32, "f32": writer.add_float32, "bool": writer.add_bool, "str": writer.add_string}
     for key, (kind, value) in metadata.items():
-        {"u32": writer.add_uint32, "f32": writer.add_float32, "bool": writer.add_bool}[kind](key, value)
-    for (name, shape), ggml_type in zip(shapes, tensor_types):
-        packed = quantize(structure.values(name, shape), ggml_type)
-        writer.add_tensor(name, unpack(packed).reshape(*shape[:-1], -1), raw_dtype=ggml_type)
+        adders[kind](key, value)
+    for (tensor, shape), ggml_type in zip(shapes, tensor_types):
+        packed = quantize(values(tensor, shape), ggml_type)
+        writer.add_tensor(tensor, unpack(packed).reshape(*shape[:-1], -1), raw_dtype=ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -287,6 +320,17 @@ def _zero_input(packed: PackedWeight, column: int) -> None:
     packed.data[..., byte] = (packed.data[..., byte] & keep) | zero
 
 
+def top_quarter_share(expert_ids, n_expert: int) -> float:
+    """The share of routed slots (an array of expert ids, any shape) that the most popular quarter of the
+    experts takes: 0.25 for uniform routing, 1 when a quarter of the experts takes every slot."""
+    counts = np.bincount(np.ravel(expert_ids), minlength=n_expert)
+    return float(np.sort(counts)[::-1][:_top_quarter(n_expert)].sum() / counts.sum())
+
+
+def _top_quarter(n_expert: int) -> int:
+    return max(1, n_expert // 4)
+
+
 def _normal_quantiles(n: int) -> np.ndarray:
     return np.array([NormalDist().inv_cdf((j + 0.5) / n) for j in range(n)])
 
@@ -298,12 +342,10 @@ def _offset_scale(n_expert: int, k: int, gating: str) -> float:
     logits = np.random.default_rng(_STRUCTURE_STREAM).standard_normal((2048, n_expert))
     scores = 1 / (1 + np.exp(-logits)) if gating == "sigmoid" else logits    # softmax ranks as its logits do
     profile = _normal_quantiles(n_expert)
-    top = max(1, n_expert // 4)
-    target = min(TOP_QUARTER_SHARE, 0.9 * min(1.0, top / k))      # what the top quarter can take at most
+    target = min(TOP_QUARTER_SHARE, 0.9 * min(1.0, _top_quarter(n_expert) / k))    # what the top quarter can take
 
     def share(scale: float) -> float:
-        ids = np.argpartition(-(scores + scale * profile), k - 1, axis=1)[:, :k]
-        return np.sort(np.bincount(ids.ravel(), minlength=n_expert))[::-1][:top].sum() / ids.size
+        return top_quarter_share(np.argpartition(-(scores + scale * profile), k - 1, axis=1)[:, :k], n_expert)
 
     low, high = 0.0, 1.0
     while share(high) < target:

@@ -12,7 +12,7 @@ from planner.architecture import EXPERT_ROLES, tensor_layout, tensor_role
 from planner.errors import StratumError
 from planner.header import read_header
 from planner.model import load_model
-from runtime import reference
+from runtime import reference, synthetic
 from runtime.synthetic import random_packed, realistic_weights, write_model
 
 ARCHITECTURES = ("qwen3moe", "glm4moe")
@@ -97,11 +97,7 @@ def top_quarter_share(path, rng, prompts: int = 16, length: int = 64) -> float:
     model = reference.load(path)
     hp = model.hparams
     routes = [reference.routing(model, rng.integers(0, hp.n_vocab, length)) for _ in range(prompts)]
-    shares = []
-    for layer in routes[0]:
-        counts = np.bincount(np.concatenate([r[layer].ravel() for r in routes]), minlength=hp.n_expert)
-        shares.append(np.sort(counts)[::-1][:hp.n_expert // 4].sum() / counts.sum())
-    return float(np.mean(shares))
+    return float(np.mean([synthetic.top_quarter_share([r[layer] for r in routes], hp.n_expert) for layer in routes[0]]))
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
