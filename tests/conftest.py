@@ -10,10 +10,16 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-# The simulator runs each CUDA thread as a Python thread that waits at every syncthreads; a short switch
-# interval hands the GIL on at once instead of after 5 ms, which makes simulated kernels about 5x faster.
-sys.setswitchinterval(1e-5)
+# The simulator runs each CUDA thread as a Python thread (tests/simulator.py's pool waits at every
+# syncthreads); a switch interval of 1 ms instead of 5 hands the GIL on sooner, and measured faster than 10 us.
+sys.setswitchinterval(1e-3)
 warnings.filterwarnings("ignore", message=".*(under-utilization|copy overhead).*")   # tiny simulated launches
+
+from codegen.lower.cuda import SIMULATOR  # noqa: E402 (numba reads NUMBA_ENABLE_CUDASIM when first imported)
+
+if SIMULATOR:
+    from tests.simulator import install
+    install()
 
 
 @pytest.fixture
@@ -27,7 +33,6 @@ def rng(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    from codegen.lower.cuda import SIMULATOR
     if not SIMULATOR:
         return
     skip = pytest.mark.skip(reason="needs a real GPU (NUMBA_ENABLE_CUDASIM=0 pytest -m gpu)")

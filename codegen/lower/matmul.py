@@ -215,10 +215,12 @@ def window_rows(x) -> int:
 def decode_shape(fmt: Format, n_in: int, n_out: int, window: int) -> DecodeShape:
     """A group takes 2 rows, or as many as its sums allow (ROW_VALUES / window: a chunk's activation loads
     then serve more rows), fewer while that leaves under 1024 warps; one chunk per lane in flight while the
-    previous one is applied (more cost registers and measured slower: BENCHMARKS.md's sweep)."""
+    previous one is applied (more cost registers and measured slower: BENCHMARKS.md's sweep). The simulator
+    keeps the fuller groups: it runs every thread as a Python thread, and a group's rows leave its sums as
+    they are."""
     tg, cw = group_threads(fmt, n_in, n_out), chunk_words(fmt)
     nr = max(2, ROW_VALUES // window)
-    while nr > 1 and -(-n_out // nr) * tg < 32 * 1024:
+    while not SIMULATOR and nr > 1 and -(-n_out // nr) * tg < 32 * 1024:
         nr //= 2
     return DecodeShape(tg, 256 // tg, nr, cw, 1, window)
 
