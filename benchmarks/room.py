@@ -8,7 +8,9 @@ the trunk (its usable VRAM scaled by layers / 46) for the K/V, the ring and the 
 weight and the drafter's block, with the H200's compute and this run's measured links (`benchmarks.e2e`). Per
 prompt length, paired runs of the same random prompt, room shut (`room_min_read_tokens` None) and open (0), in
 alternating order; the prefill time includes giving the room back (the drafter's experts copied in again),
-which is also shown on its own. Commands (prefix from DEVICE.md):
+which is also shown on its own. Then, for `--drafter-kv-tokens` prompts (room shut), the drafter's prompt K/V
+stored in the prompt's batched pass against the drafter's own pass (a draft step a position of its window).
+Commands (prefix from DEVICE.md):
 
     NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/room.py --layers 3 --prompt-tokens 4096 16384 32768
 """
@@ -60,7 +62,8 @@ def main():
     parser.add_argument("--card", default="rtx-2060-super-8g")
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--repeats", type=int, default=2, help="pairs per prompt length")
-    parser.add_argument("--kv", default="q8_0")
+    parser.add_argument("--kv", default="f16")
+    parser.add_argument("--drafter-kv-tokens", type=int, nargs="*", default=[7168, 14336])
     args = parser.parse_args()
     ceilings, links = measure_links()
     rng = np.random.default_rng(0)
@@ -92,6 +95,15 @@ def main():
                 print(f"{tokens} tokens: {measured}", flush=True)
             stats = engine.stats()
         cuda.current_context().deallocations.clear()
+        passes = {}
+        for drafter_kv_pass in ("batched", "per_row"):
+            with Engine(plan, card, tensors=tensors, room_min_read_tokens=None, drafter_kv_pass=drafter_kv_pass,
+                        progress=False) as engine:
+                for tokens in args.drafter_kv_tokens:
+                    prompt = np.random.default_rng(tokens).integers(0, model.hparams.n_vocab, size=tokens).tolist()
+                    out = engine.generate(prompt, max_new_tokens=1)
+                    passes[drafter_kv_pass, tokens] = tokens / out.prefill_s
+            cuda.current_context().deallocations.clear()
     print()
     print(f"{CARD} shape at Q8_0, {args.layers} trunk blocks + NextN, emulated {args.card} "
           f"(pinned {ceilings['pinned'] / 1e9:.1f} GB/s), K/V {args.kv}, {args.repeats} pairs a length")
@@ -102,7 +114,15 @@ def main():
         print(f"| {tokens} | {measured['shut']:.0f} | {measured['open']:.0f} | "
               f"{measured['open'] / measured['shut'] - 1:+.1%} | {measured['lend_ms']:.1f} | {row['tok_s']:.0f} | "
               f"{row['room_open']} |")
-    print(f"stats: room requests {stats['room_requests']}, bytes streamed {stats['expert_bytes_copied'] / 2 ** 30:.1f} GiB")
+    print(f"stats: room requests {stats['room_requests']}, "
+          f"bytes streamed {stats['expert_bytes_copied'] / 2 ** 30:.1f} GiB")
+    print()
+    print(f"the drafter's prompt K/V (its window: {knobs['drafter_window_tokens']} positions), room shut")
+    print("| prompt tokens | batched pass tok/s | drafter's own pass tok/s | batched's gain |")
+    print("| ---: | ---: | ---: | ---: |")
+    for tokens in args.drafter_kv_tokens:
+        batched, per_row = passes["batched", tokens], passes["per_row", tokens]
+        print(f"| {tokens} | {batched:.0f} | {per_row:.0f} | {batched / per_row - 1:+.1%} |")
 
 
 if __name__ == "__main__":

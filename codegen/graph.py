@@ -164,13 +164,16 @@ class _Builder:
         return self.matmul(p + "eh_proj", joined, p + "nextn.eh_proj", rows, 2 * e, e)
 
 
-def build_pass(model, kind: str, tokens: int, kv: KVType, layers=None, with_drafter: bool = False) -> nx.DiGraph:
+def build_pass(model, kind: str, tokens: int, kv: KVType, layers=None, with_drafter: bool = False,
+               drafter_kv_rows: bool = True) -> nx.DiGraph:
     """The graph of one pass over `tokens` positions.
 
     layers: the trunk blocks to include (default all). Blocks of one kind have identical graphs and only the
     residual stream crosses them, so the planner builds one block of each kind to size the arena
     (`representative_layers`), and codegen builds them all.
-    with_drafter: a prefill chunk also stores the drafter's K/V for its positions in the same batched pass.
+    with_drafter: a prefill chunk keeps every position's hidden state (`hidden_out`, the drafter's input) and,
+    with drafter_kv_rows, stores the drafter's K/V for its positions in the same batched pass (without: the
+    drafter's own pass stores them, a row at a time, from those hidden states).
     """
     if kind not in PASS_KINDS:
         raise ValueError(f"unknown pass kind {kind!r}; expected one of {PASS_KINDS}")
@@ -180,7 +183,8 @@ def build_pass(model, kind: str, tokens: int, kv: KVType, layers=None, with_draf
     hp = b.hp
     ids = b.op("token_ids", "input", [], (tokens,), dtype="i32")
     b.op("positions", "input", [], (tokens,), dtype="i32")    # each row's absolute position
-    drafter_rows = kind == "prefill" and with_drafter and hp.n_nextn
+    hidden_rows = kind == "prefill" and with_drafter and hp.n_nextn
+    drafter_rows = hidden_rows and drafter_kv_rows
     if drafter_rows:    # written before the pass like the other inputs, so live from its start
         next_ids = b.op("next_token_ids", "input", [], (tokens,), dtype="i32")
     if kind == "draft":
@@ -194,8 +198,10 @@ def build_pass(model, kind: str, tokens: int, kv: KVType, layers=None, with_draf
     for layer in range(hp.n_trunk) if layers is None else layers:
         x = b.attention_block(layer, x, tokens)
     head_rows = 1 if kind == "prefill" else tokens
-    if drafter_rows:
+    if hidden_rows:
         hidden = b.norm("hidden_out", x, "output_norm", tokens)   # h for every position feeds the drafter
+        b.graph.nodes[hidden]["output"] = True     # read after the pass: the last row's by the first draft step
+    if drafter_rows:
         drafter_x = b.nextn_input(hp.n_trunk, next_ids, hidden, tokens)
         b.attention_block(hp.n_trunk, drafter_x, tokens, compute_ffn=False)
     last = b.op("last_rows", "select_rows", [x], (head_rows, hp.n_embd)) if head_rows < tokens else x

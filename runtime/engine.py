@@ -67,12 +67,14 @@ class _Totals:
 
 class Engine:
     def __init__(self, plan, model, progress: bool = True, seed: int | None = None, tensors=None,
-                 refresh_steps: int = REFRESH_STEPS, room_min_read_tokens="plan"):
+                 refresh_steps: int = REFRESH_STEPS, room_min_read_tokens="plan", drafter_kv_pass: str = "batched"):
         """model: the GGUF file the plan was made for (or a model card, with `tensors`); tensors: (name,
         PackedWeight) pairs to load instead of the file's data (benchmarks build weights in memory);
         refresh_steps: decode steps between expert-cache refreshes; room_min_read_tokens: the drafter room
         opens for requests that read at least this many prompt tokens: "plan" (the plan's threshold), a
-        number (0: every request), or None (never: the A/B switch)."""
+        number (0: every request), or None (never: the A/B switch); drafter_kv_pass: how a prompt's drafter
+        K/V is stored: "batched" (in the prompt's own pass) or "per_row" (the drafter's own pass, a draft step
+        a position, the A/B switch)."""
         self.refresh_steps = refresh_steps
         started = time.perf_counter()
         self.progress = Progress(progress)
@@ -105,6 +107,7 @@ class Engine:
                                    self.progress, self.experts.room_first)
         self.draft_depth = self.knobs.get("draft_depth", 0) if self.drafter else 0
         self.room_min_read_tokens = self._check_room(room_min_read_tokens)
+        self.drafter_kv_pass = self._check_drafter_kv_pass(drafter_kv_pass)
         self._load_weights(tensors)
         self.programs, self.graphs = {}, {}
         self.decode_ids = cuda.pinned_array((len(self.moe_blocks), MAX_WINDOW, self.hp.n_expert_used), np.int32)
@@ -144,6 +147,13 @@ class Engine:
             raise StratumError(f"room_min_read_tokens {room_min_read_tokens!r}: \"plan\", a number of tokens >= 0, "
                                "or None (never)")
         return room_min_read_tokens
+
+    def _check_drafter_kv_pass(self, drafter_kv_pass: str) -> str:
+        if drafter_kv_pass not in ("batched", "per_row"):
+            raise StratumError(f"drafter_kv_pass {drafter_kv_pass!r}: \"batched\" or \"per_row\"")
+        if drafter_kv_pass == "per_row" and self.drafter is None:
+            raise StratumError("drafter_kv_pass 'per_row': this engine has no drafter")
+        return drafter_kv_pass
 
     def _carve_tables(self, context_tokens: int) -> None:
         full_pages = -(-context_tokens // self.knobs["page_tokens"])
@@ -198,8 +208,8 @@ class Engine:
         self.progress.finish()
         if self.room_min_read_tokens is not None:
             room_bytes = self.experts.n_room * self.model.slot_layout.slot_bytes
-            self.progress.note(f"drafter room: {self.experts.n_room} slots ({room_bytes / 2 ** 20:.1f} MiB) lent to the "
-                               f"prefill ring ({self.experts.n_ring} slots) by requests that read at least "
+            self.progress.note(f"drafter room: {self.experts.n_room} slots ({room_bytes / 2 ** 20:.1f} MiB) lent to "
+                               f"the prefill ring ({self.experts.n_ring} slots) by requests that read at least "
                                f"{self.room_min_read_tokens} prompt tokens")
 
     def _warm_up(self) -> None:
@@ -232,7 +242,8 @@ class Engine:
                 for old in [k for k in self.programs if k[0] == "prefill" and k[1] != self.chunk_tokens]:
                     del self.programs[old]
             with_drafter = self.drafter is not None
-            graph, arena_bytes, offsets = arena_layout(self.model, kind, tokens, self.kv, with_drafter)
+            graph, arena_bytes, offsets = arena_layout(self.model, kind, tokens, self.kv, with_drafter,
+                                                       drafter_kv_rows=self.drafter_kv_pass == "batched")
             region = self.arena.regions["arena"]
             if arena_bytes > region.bytes:
                 raise StratumError(f"a {kind} pass of {tokens} tokens needs {arena_bytes} arena bytes; the plan "
@@ -274,23 +285,40 @@ class Engine:
         Only the drafter's positions its window can still reach are stored (the prompt's last window): their
         pages take drafter ring slots, and the store skips rows whose page has none."""
         reach_from = start + len(token_ids) - self.drafter.window_tokens if self.drafter is not None else 0
+        batched = self.drafter is not None and self.drafter_kv_pass == "batched"
         for begin in range(0, len(token_ids), self.chunk_tokens):
             piece = token_ids[begin:begin + self.chunk_tokens]
+            first, end = start + begin, start + begin + len(piece)
             program = self._program("prefill", len(piece))
-            self.kv_ring.claim(start + begin, start + begin + len(piece), self.compute)
+            self.kv_ring.claim(first, end, self.compute)
             next_ids = None
-            if self.drafter is not None:
+            if batched:
                 next_ids = list(token_ids[begin + 1:begin + len(piece) + 1])
                 next_ids += [0] * (len(piece) - len(next_ids))
-                if start + begin + len(piece) > reach_from:
-                    self.drafter.ring.claim(max(start + begin, reach_from), start + begin + len(piece), self.compute)
-            self._inputs(program, piece, start + begin, next_ids)
+                if end > reach_from:
+                    self.drafter.ring.claim(max(first, reach_from), end, self.compute)
+            self._inputs(program, piece, first, next_ids)
             self._run_prefill(program)
+            if self.drafter is not None and not batched:
+                last_known = start + len(token_ids) - 1     # the last position's row waits for its next token
+                rows = range(max(first, reach_from), min(end, last_known))
+                self._drafter_rows(program, token_ids, start, begin, rows)
         if self.drafter is not None:
             copy_rows(self.hidden, 0, program.tensors["hidden_out"], len(piece) - 1, 1, self.compute)
         logits = program.tensors["logits"].copy_to_host(stream=self.compute)
         self.compute.synchronize()
         return logits[-1]
+
+    def _drafter_rows(self, program, token_ids, start: int, begin: int, positions) -> None:
+        """The drafter's own pass over a prompt chunk's rows (the A/B switch to the batched one): a draft step at
+        each position q, reading the token at q + 1 and the chunk's hidden state at q."""
+        draft = self._program("draft", 1)
+        for q in positions:
+            self.drafter.ring.claim(q, q + 1, self.compute)
+            self._inputs(draft, [token_ids[q - start + 1]], q)
+            copy_rows(draft.tensors["hidden_in"], 0, program.tensors["hidden_out"], q - start - begin, 1, self.compute)
+            self._replay(("draft", 1), draft.run)
+            self.compute.synchronize()       # the next row's inputs reuse the staging
 
     def _run_prefill(self, program) -> None:
         steps = {step.name: step for step in program.steps}

@@ -140,3 +140,16 @@ def test_gpu_room_open_and_drafting_give_the_output_of_room_shut_without_draftin
     print(plan.knobs, stats)
     assert roomed.tokens == shut.tokens and np.array_equal(roomed.logits, shut.logits)
     assert stats["drafted_tokens"] > 0
+
+
+def test_the_drafters_own_per_row_pass_gives_the_output_of_the_batched_one(model, plan, rng):
+    """The A/B switch of the drafter's prompt K/V: stored by its own draft steps, a row at a time, instead of
+    in the prompt's batched pass: the same greedy tokens and logits (drafts change acceptance only)."""
+    prompt = rng.integers(0, 64, size=CHUNK + 3).tolist()
+    outputs = []
+    for drafter_kv_pass in ("batched", "per_row"):
+        with Engine(plan, model, progress=False, drafter_kv_pass=drafter_kv_pass) as engine:
+            outputs.append(engine.generate(prompt, max_new_tokens=3, return_logits=True, draft_depth=1))
+    assert outputs[0].tokens == outputs[1].tokens and np.array_equal(outputs[0].logits, outputs[1].logits)
+    with pytest.raises(StratumError, match="drafter_kv_pass 'rows': .batched. or .per_row."):
+        Engine(plan, model, progress=False, drafter_kv_pass="rows")

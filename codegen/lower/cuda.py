@@ -178,18 +178,19 @@ def _kernel_function(kernel, types: tuple):
 
 def copy_rows(dst, dst_row: int, src, src_row: int, rows: int, stream) -> None:
     """Rows src_row.. of `src` into rows dst_row.. of `dst`, asynchronous on `stream`: a page-locked host array
-    (numpy) into a device array, or a device array into a page-locked host array (both C-contiguous, rows of
-    the same bytes). One driver call, not numba's copy, which costs ~200 us of Python a call (slicing both
-    arrays, checking, marshalling)."""
+    (numpy) into a device array, a device array into a page-locked host array, or a device array into another
+    (all C-contiguous, rows of the same bytes). One driver call, not numba's copy, which costs ~200 us of
+    Python a call (slicing both arrays, checking, marshalling)."""
+    if not isinstance(dst, np.ndarray) and not isinstance(src, np.ndarray):
+        _copy_device_rows(dst, dst_row, src, src_row, rows, stream)
+        return
     to_host = isinstance(dst, np.ndarray)
     host, device = (dst, src) if to_host else (src, dst)
     row_bytes = host.strides[0]
     if device.strides[0] != row_bytes or not (host.flags.c_contiguous and device.is_c_contiguous()):
         raise ValueError(f"copy_rows needs C-contiguous arrays of equal rows ({row_bytes} and {device.strides[0]} "
                          "bytes)")
-    if not (0 <= src_row <= src_row + rows <= src.shape[0] and 0 <= dst_row <= dst_row + rows <= dst.shape[0]):
-        raise ValueError(f"rows {src_row}..{src_row + rows} into {dst_row}..{dst_row + rows}: outside "
-                         f"{src.shape[0]} and {dst.shape[0]} rows")
+    _check_rows(dst, dst_row, src, src_row, rows)
     if SIMULATOR:
         if to_host:
             dst[dst_row:dst_row + rows] = src[src_row:src_row + rows].copy_to_host(stream=stream)
@@ -208,6 +209,28 @@ def copy_rows(dst, dst_row: int, src, src_row: int, rows: int, stream) -> None:
         raise RuntimeError(f"an asynchronous copy of {rows * row_bytes} bytes failed: {err}")
 
 
+def _check_rows(dst, dst_row: int, src, src_row: int, rows: int) -> None:
+    if not (0 <= src_row <= src_row + rows <= src.shape[0] and 0 <= dst_row <= dst_row + rows <= dst.shape[0]):
+        raise ValueError(f"rows {src_row}..{src_row + rows} into {dst_row}..{dst_row + rows}: outside "
+                         f"{src.shape[0]} and {dst.shape[0]} rows")
+
+
+def _copy_device_rows(dst, dst_row: int, src, src_row: int, rows: int, stream) -> None:
+    row_bytes = src.strides[0]
+    if dst.strides[0] != row_bytes or not (src.is_c_contiguous() and dst.is_c_contiguous()):
+        raise ValueError(f"copy_rows needs C-contiguous arrays of equal rows ({row_bytes} and {dst.strides[0]} bytes)")
+    _check_rows(dst, dst_row, src, src_row, rows)
+    if SIMULATOR:
+        dst[dst_row:dst_row + rows].copy_to_device(src[src_row:src_row + rows], stream=stream)
+        return
+    from cuda.bindings import driver
+    err, = driver.cuMemcpyDtoDAsync(dst.device_ctypes_pointer.value + dst_row * row_bytes,
+                                    src.device_ctypes_pointer.value + src_row * row_bytes, rows * row_bytes,
+                                    driver.CUstream(int(stream.handle)))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"an asynchronous copy of {rows * row_bytes} bytes failed: {err}")
+
+
 def copy_into_rows(dst, dst_row: int, offset_bytes: int, src, src_row: int, rows: int, stream) -> None:
     """Rows src_row.. of a page-locked host array into rows dst_row.. of a 2-D uint8 device array, each at
     byte offset_bytes of its row (rows of different lengths: a source row is a part of a longer destination
@@ -216,9 +239,7 @@ def copy_into_rows(dst, dst_row: int, offset_bytes: int, src, src_row: int, rows
     if not src.flags.c_contiguous or offset_bytes + row_bytes > dst.shape[1] or dst.dtype != np.uint8:
         raise ValueError(f"copy_into_rows: rows of {row_bytes} bytes at offset {offset_bytes} do not fit "
                          f"uint8 rows of {dst.shape[1]} bytes")
-    if not (0 <= src_row <= src_row + rows <= src.shape[0] and 0 <= dst_row <= dst_row + rows <= dst.shape[0]):
-        raise ValueError(f"rows {src_row}..{src_row + rows} into {dst_row}..{dst_row + rows}: outside "
-                         f"{src.shape[0]} and {dst.shape[0]} rows")
+    _check_rows(dst, dst_row, src, src_row, rows)
     if SIMULATOR:
         flat = src.reshape(src.shape[0], -1).view(np.uint8)
         for i in range(rows):

@@ -41,11 +41,11 @@ class Program:
             step.run(stream)
 
 
-def arena_layout(model, kind: str, tokens: int, kv, with_drafter: bool = False):
+def arena_layout(model, kind: str, tokens: int, kv, with_drafter: bool = False, drafter_kv_rows: bool = True):
     """(full graph, arena bytes, offsets): the pass over every block, placed in the representative arena."""
-    graph = build_pass(model, kind, tokens, kv, with_drafter=with_drafter)
+    graph = build_pass(model, kind, tokens, kv, with_drafter=with_drafter, drafter_kv_rows=drafter_kv_rows)
     representative = build_pass(model, kind, tokens, kv, layers=representative_layers(model.hparams),
-                                with_drafter=with_drafter)
+                                with_drafter=with_drafter, drafter_kv_rows=drafter_kv_rows)
     arena = plan_arena(representative)
     return graph, arena.size_bytes, full_pass_offsets(graph, arena, model.hparams)
 
