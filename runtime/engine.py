@@ -214,17 +214,21 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Compile every kernel and capture the decode step, and with the drafter a draft step and a verify
-        window of the plan's depth (a GPU compiles in seconds, or loads its kernels from the disk cache; the
-        simulator has nothing to compile or capture, so it skips the extra passes)."""
+        window of each size up to the plan's depth (the end of a request drafts fewer; a GPU compiles in
+        seconds, or loads its kernels from the disk cache; the simulator has nothing to compile or capture, so
+        it skips the extra passes)."""
         if SIMULATOR:
             return
-        self.progress.start("compiling kernels and capturing the decode step", 3 if self.draft_depth else 2)
+        self.progress.start("compiling kernels and capturing the decode step", 2 + 2 * bool(self.draft_depth))
         self._prefill([0], 0)
         self.progress.advance()
         self._verify([0], 0)
         self.progress.advance()
         if self.draft_depth:
-            self._verify([0] + self._draft(0, 0, self.draft_depth)[0], 1)
+            self._draft(0, 0, 1)
+            self.progress.advance()
+            for drafts in range(1, self.draft_depth + 1):
+                self._verify([0] * (1 + drafts), 1)
             self.progress.advance()
         self.kv_owner = None
         self.progress.finish()
