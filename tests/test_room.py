@@ -15,6 +15,7 @@ from planner.errors import StratumError
 from planner.header import read_header
 from planner.search import solve
 from runtime.engine import Engine
+from runtime.synthetic import write_model
 from tests.test_engine import mtp_model, write_profile
 
 CHUNK = 8
@@ -113,6 +114,10 @@ def test_an_engine_without_a_room_refuses_to_open_one(tmp_path, model):
     plan = solve(profile, model, context=128, kv="f32", page_tokens=16)
     with pytest.raises(StratumError, match="room_min_read_tokens -1"):
         Engine(plan, model, progress=False, room_min_read_tokens=-1)
+    qwen = write_model(tmp_path / "qwen.gguf", "qwen3moe", seed=2, n_trunk=1)
+    with pytest.raises(StratumError, match="no drafter room to open .the model has no NextN layer"):
+        Engine(solve(profile, qwen, context=128, kv="f32", page_tokens=16), qwen, progress=False,
+               room_min_read_tokens=0)
 
 
 @pytest.mark.gpu
@@ -121,7 +126,6 @@ def test_gpu_room_open_and_drafting_give_the_output_of_room_shut_without_draftin
     small ring: a 300-token prompt read with the room open (its 32 slots after the ring's) and 16 tokens
     drafted at depth 3 against the room shut and no drafting: the same tokens, bitwise the same logits; the
     drafter's experts are given back bitwise after each roomed request."""
-    from runtime.synthetic import write_model
     model = write_model(tmp_path / "mtp.gguf", "glm4moe", seed=19, n_trunk=3, n_embd=512, n_head=8, n_head_kv=2,
                         head_dim=64, n_rot=32, n_ff=1024, n_ff_exp=256, n_expert=32, n_expert_used=4,
                         n_vocab=4096, types={"experts": "q8_0", "dense": "q8_0"})
