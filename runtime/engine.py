@@ -119,6 +119,8 @@ class Engine:
         self.hiddens = cuda.pinned_array((MAX_WINDOW, self.hp.n_embd), np.float32)
         self.hidden = cuda.pinned_array((1, self.hp.n_embd), np.float32)
         self.hidden[:] = 0
+        if self.drafter_kv_pass == "per_row":       # a chunk's hidden states, which the drafter's own pass reads
+            self.prompt_hiddens = cuda.pinned_array((self.chunk_tokens, self.hp.n_embd), np.float32)
         self.kv_owner = None            # (conversation, prompt tokens whose K/V the ring holds)
         self.totals = _Totals()
         self._warm_up()
@@ -303,24 +305,29 @@ class Engine:
                     self.drafter.ring.claim(max(first, reach_from), end, self.compute)
             self._inputs(program, piece, first, next_ids)
             self._run_prefill(program)
+            if end == start + len(token_ids):       # read before the drafter's own pass: it uses the same arena
+                if self.drafter is not None:
+                    copy_rows(self.hidden, 0, program.tensors["hidden_out"], len(piece) - 1, 1, self.compute)
+                logits = program.tensors["logits"].copy_to_host(stream=self.compute)
             if self.drafter is not None and not batched:
                 last_known = start + len(token_ids) - 1     # the last position's row waits for its next token
                 rows = range(max(first, reach_from), min(end, last_known))
-                self._drafter_rows(program, token_ids, start, begin, rows)
-        if self.drafter is not None:
-            copy_rows(self.hidden, 0, program.tensors["hidden_out"], len(piece) - 1, 1, self.compute)
-        logits = program.tensors["logits"].copy_to_host(stream=self.compute)
+                if rows:
+                    copy_rows(self.prompt_hiddens, 0, program.tensors["hidden_out"], rows.start - first, len(rows),
+                              self.compute)
+                    self._drafter_rows(token_ids, start, rows)
         self.compute.synchronize()
         return logits[-1]
 
-    def _drafter_rows(self, program, token_ids, start: int, begin: int, positions) -> None:
+    def _drafter_rows(self, token_ids, start: int, positions) -> None:
         """The drafter's own pass over a prompt chunk's rows (the A/B switch to the batched one): a draft step at
-        each position q, reading the token at q + 1 and the chunk's hidden state at q."""
+        each position q, reading the token at q + 1 and the chunk's hidden state at q (`prompt_hiddens`, pinned:
+        a draft step's activations take the arena bytes the chunk's pass left them in)."""
         draft = self._program("draft", 1)
-        for q in positions:
+        for i, q in enumerate(positions):
             self.drafter.ring.claim(q, q + 1, self.compute)
             self._inputs(draft, [token_ids[q - start + 1]], q)
-            copy_rows(draft.tensors["hidden_in"], 0, program.tensors["hidden_out"], q - start - begin, 1, self.compute)
+            copy_rows(draft.tensors["hidden_in"], 0, self.prompt_hiddens, i, 1, self.compute)
             self._replay(("draft", 1), draft.run)
             self.compute.synchronize()       # the next row's inputs reuse the staging
 

@@ -55,21 +55,21 @@ def expected_drafter_slots(engine, model) -> np.ndarray:
 
 
 def test_the_room_is_given_back_bitwise_and_changes_no_output(model, plan, rng):
-    """Room open (every request) and drafting at depth 2 against room shut and no drafting: the same tokens and
-    bitwise the same logits; the ring wrote into the drafter's slots and closing restored them bitwise."""
-    prompt = rng.integers(0, 64, size=2 * CHUNK - 3).tolist()
+    """Room open (every request) and drafting against room shut and no drafting: the same tokens and bitwise
+    the same logits; the ring wrote into the drafter's slots and closing restored them bitwise."""
+    prompt = rng.integers(0, 64, size=CHUNK).tolist()
     with Engine(plan, model, progress=False, room_min_read_tokens=0) as engine:
         loaded = drafter_slots(engine)
         assert np.array_equal(loaded, expected_drafter_slots(engine, model))
-        roomed = engine.generate(prompt, max_new_tokens=4, return_logits=True, draft_depth=2)
+        roomed = engine.generate(prompt, max_new_tokens=3, return_logits=True, draft_depth=1)
         stats = engine.stats()
         assert stats["room_requests"] == 1 and stats["last_request"]["room_open"]
         assert engine.experts.stats.room_reclaims == 1, "the ring should have streamed into the drafter's slots"
         assert np.array_equal(drafter_slots(engine), loaded)
         engine.room_min_read_tokens = None
-        shut = engine.generate(prompt, max_new_tokens=4, return_logits=True, draft_depth=0)
+        shut = engine.generate(prompt, max_new_tokens=3, return_logits=True, draft_depth=0)
         assert not engine.stats()["last_request"]["room_open"]
-    assert stats["drafted_tokens"] >= 2
+    assert stats["drafted_tokens"] >= 1
     assert roomed.tokens == shut.tokens and np.array_equal(roomed.logits, shut.logits)
 
 
@@ -99,7 +99,7 @@ def test_the_threshold_counts_read_tokens_and_a_stopped_request_leaves_the_room_
             engine.generate(prompt, max_new_tokens=1)
         assert engine.experts.room_open and engine.experts.room_written
         monkeypatch.setattr(engine, "_run_prefill", run_prefill)
-        retried = engine.generate(prompt, max_new_tokens=2)
+        retried = engine.generate(prompt, max_new_tokens=1)
         assert not engine.experts.room_open and np.array_equal(drafter_slots(engine), loaded)
     assert retried.tokens[0] == first.tokens[0]
 
@@ -147,13 +147,24 @@ def test_gpu_room_open_and_drafting_give_the_output_of_room_shut_without_draftin
 
 
 def test_the_drafters_own_per_row_pass_gives_the_output_of_the_batched_one(model, plan, rng):
-    """The A/B switch of the drafter's prompt K/V: stored by its own draft steps, a row at a time, instead of
-    in the prompt's batched pass: the same greedy tokens and logits (drafts change acceptance only)."""
-    prompt = rng.integers(0, 64, size=CHUNK + 3).tolist()
-    outputs = []
+    """The A/B switch of the drafter's prompt K/V: stored by its own draft steps, a row at a time (from the
+    prompt pass's hidden states), instead of in the prompt's batched pass: the same greedy tokens and logits
+    (drafts change acceptance only), and the drafter's K/V of the prompt's rows equal but for the two kernel
+    families' rounding."""
+    prompt = rng.integers(0, 64, size=CHUNK - 2).tolist()
+    outputs, drafter_kv = [], []
     for drafter_kv_pass in ("batched", "per_row"):
         with Engine(plan, model, progress=False, drafter_kv_pass=drafter_kv_pass) as engine:
             outputs.append(engine.generate(prompt, max_new_tokens=3, return_logits=True, draft_depth=1))
+            pages = engine.drafter.ring.pages[engine.drafter.layer]     # a draft step rewrote only the last rows
+            page_tokens, n_kv = pages.page_tokens, pages.n_head_kv
+            rows = []
+            for data in (pages.k_data, pages.v_data):       # f32 K/V; the prompt sits in page 0, slot 0
+                words = data.copy_to_host()[0].view(np.float32).reshape(n_kv, page_tokens, -1)
+                rows.append(words[:, :len(prompt) - 1])
+            drafter_kv.append(rows)
     assert outputs[0].tokens == outputs[1].tokens and np.array_equal(outputs[0].logits, outputs[1].logits)
+    for batched, per_row in zip(*drafter_kv):
+        assert np.linalg.norm(per_row - batched) < 1e-5 * np.linalg.norm(batched)
     with pytest.raises(StratumError, match="drafter_kv_pass 'rows': .batched. or .per_row."):
         Engine(plan, model, progress=False, drafter_kv_pass="rows")

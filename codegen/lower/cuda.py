@@ -178,12 +178,9 @@ def _kernel_function(kernel, types: tuple):
 
 def copy_rows(dst, dst_row: int, src, src_row: int, rows: int, stream) -> None:
     """Rows src_row.. of `src` into rows dst_row.. of `dst`, asynchronous on `stream`: a page-locked host array
-    (numpy) into a device array, a device array into a page-locked host array, or a device array into another
-    (all C-contiguous, rows of the same bytes). One driver call, not numba's copy, which costs ~200 us of
-    Python a call (slicing both arrays, checking, marshalling)."""
-    if not isinstance(dst, np.ndarray) and not isinstance(src, np.ndarray):
-        _copy_device_rows(dst, dst_row, src, src_row, rows, stream)
-        return
+    (numpy) into a device array, or a device array into a page-locked host array (both C-contiguous, rows of
+    the same bytes). One driver call, not numba's copy, which costs ~200 us of Python a call (slicing both
+    arrays, checking, marshalling)."""
     to_host = isinstance(dst, np.ndarray)
     host, device = (dst, src) if to_host else (src, dst)
     row_bytes = host.strides[0]
@@ -213,22 +210,6 @@ def _check_rows(dst, dst_row: int, src, src_row: int, rows: int) -> None:
     if not (0 <= src_row <= src_row + rows <= src.shape[0] and 0 <= dst_row <= dst_row + rows <= dst.shape[0]):
         raise ValueError(f"rows {src_row}..{src_row + rows} into {dst_row}..{dst_row + rows}: outside "
                          f"{src.shape[0]} and {dst.shape[0]} rows")
-
-
-def _copy_device_rows(dst, dst_row: int, src, src_row: int, rows: int, stream) -> None:
-    row_bytes = src.strides[0]
-    if dst.strides[0] != row_bytes or not (src.is_c_contiguous() and dst.is_c_contiguous()):
-        raise ValueError(f"copy_rows needs C-contiguous arrays of equal rows ({row_bytes} and {dst.strides[0]} bytes)")
-    _check_rows(dst, dst_row, src, src_row, rows)
-    if SIMULATOR:
-        dst[dst_row:dst_row + rows].copy_to_device(src[src_row:src_row + rows], stream=stream)
-        return
-    from cuda.bindings import driver
-    err, = driver.cuMemcpyDtoDAsync(dst.device_ctypes_pointer.value + dst_row * row_bytes,
-                                    src.device_ctypes_pointer.value + src_row * row_bytes, rows * row_bytes,
-                                    driver.CUstream(int(stream.handle)))
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"an asynchronous copy of {rows * row_bytes} bytes failed: {err}")
 
 
 def copy_into_rows(dst, dst_row: int, offset_bytes: int, src, src_row: int, rows: int, stream) -> None:
