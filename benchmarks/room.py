@@ -31,8 +31,8 @@ from runtime.engine import Engine
 from runtime.synthetic import realistic_weights
 
 CARD = "glm-4.5-air-q4_k_m"
-# 64 query heads, not the card's 96: the prefill attention kernel splits a tile over 8 threads a query head of
-# the kv head's group, and a group of 12 does not divide a tile (BENCHMARKS.md, issue 5)
+# 64 query heads, not the card's 96: the shape BENCHMARKS.md's table was measured on (the card's group of 12 query
+# heads a kv head did not split the prefill attention kernel's tiles then; it does since, not yet run on a GPU)
 HEADS = {"attention.head_count": 64}
 
 

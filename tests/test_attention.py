@@ -362,3 +362,13 @@ def test_gpu_decode_at_qwen3_shape(rng, kv_name, tuning):
         for row in range(window):
             np.testing.assert_array_equal(partials[row], singles[row][0][0], err_msg=f"window {window} row {row}")
         assert _relative(out, reference[:window]) < TOLERANCE
+
+
+@pytest.mark.parametrize("kv_name", ["f16", "q8_0"])
+def test_prefill_and_decode_with_glm_45s_twelve_query_heads_a_kv_head(rng, kv_name):
+    """GLM-4.5 and GLM-4.5-Air read 96 query heads over 8 kv heads: a group of 12, whose blocks' threads do not
+    split a tile's words evenly (some threads sit out the loads)."""
+    setup = Setup(rng, kv_name, 20, n_head=12, n_head_kv=1, dk=64, dv=64)
+    positions = np.arange(9, 20)
+    assert _relative(setup.prefill(positions), setup.reference(positions)) < TOLERANCE
+    assert _relative(setup.decode(positions[-2:])[1], setup.reference(positions[-2:])) < TOLERANCE

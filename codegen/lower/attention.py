@@ -175,11 +175,10 @@ def _tile_io(ggml_type: T, page_tokens: int, dim: int, s: _Shape, stride: int, c
     per_word = 1 if convert else ELEMENTS_PER_WORD[ggml_type]
     register = (np.int32 if ggml_type == T.Q8_0 else _VIEWS[ggml_type]) if convert else np.int32
     row_words = dim // per_word
-    wt = min(s.threads, row_words)
-    tt = s.threads // wt
-    if row_words % wt or s.tile % tt:
-        raise StratumError(f"a {ggml_type.name} tile of {s.tile} x {row_words} words does not split over "
-                           f"{s.threads} threads")
+    # the most threads whose loads split the tile evenly: a block of 12 query heads (GLM-4.5's 96 over 8 kv
+    # heads) has 96 threads, and 64 of them load a tile of 128-word rows
+    wt = _largest_divisor(row_words, s.threads)
+    tt = _largest_divisor(s.tile, s.threads // wt)
     n_a, n_b = row_words // wt, s.tile // tt
     per_thread = n_a * n_b
     quantized = ggml_type in QUANTIZED
