@@ -24,11 +24,10 @@ read from the host copy until its copy (on the copy stream) is done, so a step n
 rewritten, and never waits for one.
 """
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
-
-import time
 
 from codegen.lower.cuda import (copy_into_rows, copy_rows, cuda, event_done, mapped_device_view, mapped_filled,
                                 mapped_host_view)
