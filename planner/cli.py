@@ -147,6 +147,11 @@ def cmd_bench(args):
     bench(args)
 
 
+def cmd_trace(args):
+    from runtime.commands import trace
+    trace(args)
+
+
 def _add_engine_arguments(sub):
     p = sub.add_parser("run", help="run a model on this machine's GPU: prompt token ids (or text) in, new ones out")
     p.add_argument("--plan", help="a plan YAML (`stratum plan -o`); default: one solved for --hardware, for a "
@@ -175,6 +180,16 @@ def _add_engine_arguments(sub):
     p.add_argument("--draft-depth", type=int, help="MTP drafts per verify window (default the plan's; 0: off)")
     p.add_argument("--quiet", action="store_true", help="no progress lines at start")
     p.set_defaults(run=cmd_bench)
+    p = sub.add_parser("trace", help="serve a file's prompts and write them as a workload (lengths, expert popularity)")
+    p.add_argument("--model", required=True, help="the GGUF file")
+    p.add_argument("--plan", help="a plan YAML; default: one solved for --hardware, for the longest prompt")
+    p.add_argument("--hardware", help="the profile to solve a plan for (default: this machine's GPU's bundled one)")
+    p.add_argument("--prompts", required=True, help="a file of prompts, one a line: token ids (or text with --text)")
+    p.add_argument("--text", action="store_true", help="the prompts are text, for a byte-level vocabulary")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt")
+    p.add_argument("-o", "--output", required=True, help="the workload YAML to write")
+    p.add_argument("--quiet", action="store_true", help="no progress lines at start")
+    p.set_defaults(run=cmd_trace)
 
 
 def _add_check_arguments(p: argparse.ArgumentParser):

@@ -1,11 +1,12 @@
-"""`stratum run` and `stratum bench`: the engine from the command line (`run` solves a plan for this machine
-when it is given none). planner.cli defines their arguments and imports this module only when one of them
-runs, so planning never imports numba."""
+"""`stratum run`, `stratum bench` and `stratum trace`: the engine from the command line (`run` and `trace` solve a
+plan for this machine when they are given none). planner.cli defines their arguments and imports this module
+only when one of them runs, so planning never imports numba."""
 
 import sys
 import time
 
 import numpy as np
+import yaml
 
 from codegen.lower.cuda import available, device_name, kernel_counts
 from planner import vocab
@@ -17,13 +18,13 @@ from planner.search import MIN_CHUNK_TOKENS, solve
 from runtime.engine import Engine
 
 
-def parse_ids(text: str) -> list:
+def parse_ids(text: str, option: str = "--prompt-ids") -> list:
     try:
         ids = [int(part) for part in text.replace(",", " ").split()]
     except ValueError:
-        raise StratumError(f"--prompt-ids takes token ids separated by commas or spaces, not {text!r}") from None
+        raise StratumError(f"{option} takes token ids separated by commas or spaces, not {text!r}") from None
     if not ids:
-        raise StratumError("--prompt-ids is empty")
+        raise StratumError(f"{option} is empty")
     return ids
 
 
@@ -31,12 +32,15 @@ def prompt_ids(args) -> list:
     """The prompt's token ids: --prompt-ids as given, or --prompt's UTF-8 bytes for a byte-level vocabulary."""
     if args.prompt is None:
         return parse_ids(args.prompt_ids)
-    tokenizer = read_header(args.model).metadata.get(vocab.TOKENIZER_MODEL_KEY)
-    if tokenizer != vocab.BYTE_TOKENIZER:
-        raise StratumError(f"--prompt needs a byte-level vocabulary ({vocab.TOKENIZER_MODEL_KEY} "
-                           f"{vocab.BYTE_TOKENIZER!r}), this model's is {tokenizer!r}: give --prompt-ids",
-                           source=args.model)
+    check_byte_vocabulary(args.model, "--prompt", "give --prompt-ids")
     return vocab.encode(args.prompt)
+
+
+def check_byte_vocabulary(model, option: str, instead: str) -> None:
+    tokenizer = read_header(model).metadata.get(vocab.TOKENIZER_MODEL_KEY)
+    if tokenizer != vocab.BYTE_TOKENIZER:
+        raise StratumError(f"{option} needs a byte-level vocabulary ({vocab.TOKENIZER_MODEL_KEY} "
+                           f"{vocab.BYTE_TOKENIZER!r}), this model's is {tokenizer!r}: {instead}", source=model)
 
 
 def run_plan(args, prompt_tokens: int):
@@ -74,6 +78,39 @@ def run(args) -> None:
         kernels = ", ".join(f"{n} {how}" for how, n in kernel_counts().items() if n) or "none launched"
         print(f"first token {first_token_s:.2f} s after the command started (engine start {engine.startup_s:.2f} s: "
               f"weights, kernels ({kernels}), decode step captured)", file=sys.stderr)
+
+
+def trace_prompts(args) -> list:
+    """The prompts file's lines: token ids, or (--text) UTF-8 text for a byte-level vocabulary; blank lines skipped."""
+    try:
+        lines = [line for line in open(args.prompts, encoding="utf-8").read().splitlines() if line.strip()]
+    except OSError as error:
+        raise StratumError(f"cannot read the prompts: {error.strerror}", source=args.prompts) from None
+    if not lines:
+        raise StratumError("the prompts file has no prompt", source=args.prompts)
+    if args.text:
+        check_byte_vocabulary(args.model, "--text", "write token ids, one prompt a line")
+        return [vocab.encode(line) for line in lines]
+    return [parse_ids(line, "--prompts") for line in lines]
+
+
+def trace(args) -> None:
+    """Serve a file's prompts and write what they did as a workload file (`Engine.trace`): the planner then plans
+    for these requests' lengths and these experts' popularity (`stratum plan --workload`)."""
+    prompts = trace_prompts(args)
+    plan = run_plan(args, max(len(prompt) for prompt in prompts))
+    with Engine(plan, args.model, progress=not args.quiet) as engine:
+        for prompt in prompts:
+            engine.generate(prompt, args.max_new_tokens)
+        document = engine.trace()
+        stats = engine.stats()
+    with open(args.output, "w", encoding="utf-8") as out:
+        yaml.safe_dump(document, out, sort_keys=False, default_flow_style=None)
+    histogram = np.asarray(document.get("expert_popularity", {}).get("histogram", [[0]]), dtype=np.float64)
+    top = np.sort(histogram, axis=1)[:, ::-1][:, :max(1, histogram.shape[1] // 4)].sum() / max(histogram.sum(), 1)
+    print(f"wrote {args.output}: {len(prompts)} prompts, {int(histogram.sum())} expert routings over "
+          f"{histogram.shape[0]} MoE blocks (the top quarter of each block's experts took {top:.0%}), decode hit rate "
+          f"{stats['expert_cache_hit_rate']:.0%}", file=sys.stderr)
 
 
 def bench(args) -> None:

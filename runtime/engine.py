@@ -62,6 +62,7 @@ class _Totals:
     decode_s: float = 0.0
     requests: int = 0
     reused_tokens: int = 0
+    prompt_lengths: dict = field(default_factory=dict)     # prompt tokens -> requests
     last: dict = field(default_factory=dict)
 
 
@@ -445,6 +446,7 @@ class Engine:
         self.totals.prefill_s += prefill_s
         self.totals.reused_tokens += reused
         self.totals.requests += 1
+        self.totals.prompt_lengths[len(prompt)] = self.totals.prompt_lengths.get(len(prompt), 0) + 1
         self.totals.last = {"prompt_tokens": len(prompt), "reused_tokens": reused, "prefill_s": prefill_s,
                             "room_open": room}
         if room:
@@ -542,6 +544,25 @@ class Engine:
                 "room_requests": e.room_requests, "room_lend_s": round(e.room_lend_s, 4),
                 "device_bytes": self.arena.nbytes, "kernels": kernel_counts(), **self._draft_stats(),
                 "last_request": dict(t.last)}
+
+    def trace(self) -> dict:
+        """The requests served so far as a workload document (`planner.workload`): their prompt lengths, tokens
+        generated, reused prefix, draft acceptance, and every MoE block's routing counts (prefill and decode),
+        the histogram the planner's hit-rate curve reads (`stratum plan --workload`)."""
+        t = self.totals
+        if not t.requests:
+            raise StratumError("no request has run yet: a trace describes the requests an engine served")
+        prompt_tokens = sum(tokens * n for tokens, n in t.prompt_lengths.items())
+        doc = {"prompts": [{"tokens": tokens, "weight": n} for tokens, n in sorted(t.prompt_lengths.items())],
+               "decode_tokens": round((t.decode_tokens + t.requests) / t.requests),
+               "reused_prefix": round(min(t.reused_tokens / prompt_tokens, 0.999), 4)}
+        if self.drafter is not None:
+            doc["drafter_window"] = self.drafter.window_tokens
+            if self.drafter.stats.drafted:
+                doc["draft_acceptance"] = round(min(self.drafter.stats.acceptance, 0.999), 4)
+        if self.experts.blocks:
+            doc["expert_popularity"] = {"histogram": self.experts.routed.tolist()}
+        return doc
 
     def _draft_stats(self) -> dict:
         if self.drafter is None:

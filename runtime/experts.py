@@ -86,6 +86,7 @@ class ExpertStore:
         self.decode_tables = {b: tables[f"blk.{b}.decode_slots"] for b in self.blocks}
         self.prefill_tables = {b: tables[f"blk.{b}.prefill_slots"] for b in self.blocks}
         self.counts = np.zeros((len(self.blocks), self.n_expert), np.int64)    # decode's routings so far
+        self.routed = np.zeros((len(self.blocks), self.n_expert), np.int64)    # every pass's, for traces
         # what a decode step reads from a slot: `resident`, less the experts a pending refresh copies in
         self.cached = np.zeros((len(self.blocks), self.n_expert), bool)
         for i, block in enumerate(self.blocks):
@@ -233,6 +234,7 @@ class ExpertStore:
         copied into the ring first (on the copy stream, waiting until compute is done with that half)."""
         table, batches = self.prefill_batches(block, np.unique(ids))
         index = self.blocks.index(block)
+        np.add.at(self.routed[index], ids.reshape(-1), 1)
         self.prefill_staging[index] = table         # pinned: an asynchronous copy (pageable memory would wait)
         copy_rows(self.prefill_tables[block], 0, self.prefill_staging[index], 0, self.n_expert, compute)
         for j, (lo, hi, base, group) in enumerate(batches):
@@ -267,6 +269,7 @@ class ExpertStore:
         flat = ids.reshape(len(self.blocks), -1)
         rows = np.arange(len(self.blocks))[:, None]
         np.add.at(self.counts, (rows, flat), 1)
+        np.add.at(self.routed, (rows, flat), 1)
         self.stats.decode_reads += flat.size
         self.stats.decode_hits += int(self.cached[rows, flat].sum())
 
