@@ -59,7 +59,7 @@ class SlotLayout:
     slot_bytes: int
 
     def part(self, role: str, kind: str) -> tuple[int, int]:
-        return self.parts.get((role, kind), (0, 0))
+        return self.parts[role, kind]
 
 
 def split_bytes(ggml_type, n_elements: int) -> tuple[int, int]:

@@ -4,6 +4,7 @@ only when one of them runs, so planning never imports numba."""
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import yaml
@@ -16,6 +17,7 @@ from planner.plan import load_plan
 from planner.profile import profile_for_gpu
 from planner.search import MIN_CHUNK_TOKENS, solve
 from runtime.engine import Engine
+from runtime.synthetic import counts_top_quarter_share
 
 
 def parse_ids(text: str, option: str = "--prompt-ids") -> list:
@@ -83,7 +85,7 @@ def run(args) -> None:
 def trace_prompts(args) -> list:
     """The prompts file's lines: token ids, or (--text) UTF-8 text for a byte-level vocabulary; blank lines skipped."""
     try:
-        lines = [line for line in open(args.prompts, encoding="utf-8").read().splitlines() if line.strip()]
+        lines = [line for line in Path(args.prompts).read_text(encoding="utf-8").splitlines() if line.strip()]
     except OSError as error:
         raise StratumError(f"cannot read the prompts: {error.strerror}", source=args.prompts) from None
     if not lines:
@@ -106,11 +108,11 @@ def trace(args) -> None:
         stats = engine.stats()
     with open(args.output, "w", encoding="utf-8") as out:
         yaml.safe_dump(document, out, sort_keys=False, default_flow_style=None)
-    histogram = np.asarray(document.get("expert_popularity", {}).get("histogram", [[0]]), dtype=np.float64)
-    top = np.sort(histogram, axis=1)[:, ::-1][:, :max(1, histogram.shape[1] // 4)].sum() / max(histogram.sum(), 1)
+    histogram = np.asarray(document["expert_popularity"]["histogram"])
     print(f"wrote {args.output}: {len(prompts)} prompts, {int(histogram.sum())} expert routings over "
-          f"{histogram.shape[0]} MoE blocks (the top quarter of each block's experts took {top:.0%}), decode hit rate "
-          f"{stats['expert_cache_hit_rate']:.0%}", file=sys.stderr)
+          f"{histogram.shape[0]} MoE blocks (the top quarter of each block's experts took "
+          f"{counts_top_quarter_share(histogram):.0%}), decode hit rate {stats['expert_cache_hit_rate']:.0%}",
+          file=sys.stderr)
 
 
 def bench(args) -> None:

@@ -4,7 +4,8 @@ Where it lives (the plan's regions): its dense tensors in `drafter_dense`; every
 `drafter_experts`, a slot each of the experts' slot array (`runtime.experts`: expert e in slot first_slot + e,
 which its expert table says; a prompt read with the room open lends them to the ring); its K/V on its own ring
 (`drafter_kv`, page table `drafter_page_table`) of `drafter_kv_pages` pages, which hold its window
-(`drafter_window_tokens` positions) and a prompt chunk: no host copy, its attention reads only that window.
+(`drafter_window_tokens` positions) and one page: no host copy, its attention reads only that window, and a
+prompt pass stores only the positions that window can still reach.
 
 What a draft step reads: at position q, the trunk's hidden state at q (after output_norm) and the token at
 q + 1; it stores its K/V at q and proposes the token at q + 2 from its head (its shared_head_norm, then the

@@ -142,10 +142,8 @@ class Engine:
         if room_min_read_tokens is None:
             return None
         if self.drafter is None:
-            reason = ("the model has no NextN layer" if not self.hp.n_nextn
-                      else "the plan was made without speculative decoding (no drafter regions)")
             raise StratumError(f"room_min_read_tokens {room_min_read_tokens}: there is no drafter room to open "
-                               f"({reason})")
+                               f"({self._no_drafter_reason()})")
         if not isinstance(room_min_read_tokens, int) or room_min_read_tokens < 0:
             raise StratumError(f"room_min_read_tokens {room_min_read_tokens!r}: \"plan\", a number of tokens >= 0, "
                                "or None (never)")
@@ -155,8 +153,12 @@ class Engine:
         if drafter_kv_pass not in ("batched", "per_row"):
             raise StratumError(f"drafter_kv_pass {drafter_kv_pass!r}: \"batched\" or \"per_row\"")
         if drafter_kv_pass == "per_row" and self.drafter is None:
-            raise StratumError("drafter_kv_pass 'per_row': this engine has no drafter")
+            raise StratumError(f"drafter_kv_pass 'per_row': this engine has no drafter ({self._no_drafter_reason()})")
         return drafter_kv_pass
+
+    def _no_drafter_reason(self) -> str:
+        return ("the model has no NextN layer" if not self.hp.n_nextn
+                else "the plan was made without speculative decoding (no drafter regions)")
 
     def _carve_tables(self, context_tokens: int) -> None:
         full_pages = -(-context_tokens // self.knobs["page_tokens"])
@@ -497,9 +499,7 @@ class Engine:
         if draft_depth is None:
             return self.draft_depth
         if draft_depth and self.drafter is None:
-            reason = ("the model has no NextN layer" if not self.hp.n_nextn
-                      else "the plan was made without speculative decoding (no drafter regions)")
-            raise StratumError(f"draft_depth {draft_depth}: this engine has no drafter ({reason})")
+            raise StratumError(f"draft_depth {draft_depth}: this engine has no drafter ({self._no_drafter_reason()})")
         if not 0 <= draft_depth <= MAX_DRAFT_DEPTH:
             raise StratumError(f"draft_depth {draft_depth}: 0 (off) to {MAX_DRAFT_DEPTH} (the plan's arena holds "
                                f"verify windows of up to {1 + MAX_DRAFT_DEPTH} rows)")
@@ -560,8 +560,7 @@ class Engine:
             doc["drafter_window"] = self.drafter.window_tokens
             if self.drafter.stats.drafted:
                 doc["draft_acceptance"] = round(min(self.drafter.stats.acceptance, 0.999), 4)
-        if self.experts.blocks:
-            doc["expert_popularity"] = {"histogram": self.experts.routed.tolist()}
+        doc["expert_popularity"] = {"histogram": self.experts.routed.tolist()}
         return doc
 
     def _draft_stats(self) -> dict:

@@ -149,14 +149,9 @@ class ExpertStore:
         pinned host memory, taken now, which closing the room copies them back from."""
         stream = cuda.default_stream()
         if lendable:
-            pinned = []
-            for array in (packed.data, packed.scales):
-                if array is not None:
-                    pinned.append(cuda.pinned_array(array.shape, array.dtype))
-                    pinned[-1][...] = array
-                else:
-                    pinned.append(None)
-            self.drafter_host[matrix] = tuple(pinned)
+            self.drafter_host[matrix] = tuple(None if array is None else
+                                              mapped_host_view(mapped_filled(array.shape, array.dtype, array))
+                                              for array in (packed.data, packed.scales))
         self._write_slots(matrix, self.room_first, packed.data, packed.scales, 0, self.n_expert, stream)
         stream.synchronize()
 

@@ -323,8 +323,14 @@ def _zero_input(packed: PackedWeight, column: int) -> None:
 def top_quarter_share(expert_ids, n_expert: int) -> float:
     """The share of routed slots (an array of expert ids, any shape) that the most popular quarter of the
     experts takes: 0.25 for uniform routing, 1 when a quarter of the experts takes every slot."""
-    counts = np.bincount(np.ravel(expert_ids), minlength=n_expert)
-    return float(np.sort(counts)[::-1][:_top_quarter(n_expert)].sum() / counts.sum())
+    return counts_top_quarter_share(np.bincount(np.ravel(expert_ids), minlength=n_expert))
+
+
+def counts_top_quarter_share(counts) -> float:
+    """The same from routing counts per expert (the last axis; leading axes, e.g. blocks, summed over)."""
+    counts = np.asarray(counts)
+    top = np.sort(counts, axis=-1)[..., ::-1][..., :_top_quarter(counts.shape[-1])]
+    return float(top.sum() / counts.sum())
 
 
 def _top_quarter(n_expert: int) -> int:

@@ -16,7 +16,7 @@ from runtime.synthetic import shape_hparams, write_weights
 
 ARCHITECTURE = "glm4moe"
 NEXTN = 1
-# 23.4M parameters, 24.7 MB at Q8_0: 5 trunk blocks (the first dense) and the NextN block; 32 routed experts of
+# 23.4M parameters, 25.1 MB at Q8_0: 5 trunk blocks (the first dense) and the NextN block; 32 routed experts of
 # width 64 (4 used) and one shared expert per MoE block; heads of 64 (as the engine's GPU tests), a quarter of
 # the heads' K/V heads (GQA 4), half of each head rotated (as GLM-4.5)
 SHAPE = dict(n_trunk=5, n_leading_dense=1, n_embd=512, n_head=8, n_head_kv=2, head_dim=64, n_rot=32, n_ff=1536,

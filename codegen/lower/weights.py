@@ -22,6 +22,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from planner.errors import StratumError
+from planner.model import SCALES_APART
 
 KERNEL_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0)
 _FLOAT_DTYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}
@@ -45,7 +46,7 @@ def check_kernel_type(ggml_type: T, shape: tuple) -> None:
     if ggml_type not in KERNEL_TYPES:
         raise StratumError(f"tensor type {ggml_type.name} has no kernel yet; the kernels read "
                            f"{', '.join(t.name for t in KERNEL_TYPES)}")
-    if ggml_type in (T.Q8_0, T.Q4_0) and shape[-1] % QUANT_BLOCK:
+    if ggml_type in SCALES_APART and shape[-1] % QUANT_BLOCK:
         raise StratumError(f"a {ggml_type.name} row of {shape[-1]} values is not whole blocks of {QUANT_BLOCK}")
 
 
@@ -142,7 +143,7 @@ class DeviceWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + (self.scales.nbytes if self.ggml_type in (T.Q8_0, T.Q4_0) else 0)
+        return self.data.nbytes + (self.scales.nbytes if self.ggml_type in SCALES_APART else 0)
 
 
 def upload(packed: PackedWeight, stream=0) -> DeviceWeight:
