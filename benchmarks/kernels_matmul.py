@@ -466,7 +466,7 @@ def moe_decode_step(rng, bandwidth, sweep=False):
     if not sweep:
         return
     rows = []
-    swiglu_base, down_base = moe.decode_swiglu_shape(T.Q8_0, e_dim, 1), moe.decode_down_shape(T.Q8_0, f_dim, 1)
+    swiglu_base, down_base = moe.decode_swiglu_shape(1), moe.decode_down_shape(1)
     for tg in (32, 64, 128):
         for nr in (1, 2, 4, 8):
             shape = swiglu_base._replace(tg=tg, groups=256 // tg, nr=nr)

@@ -61,10 +61,18 @@ def test_the_room_is_given_back_bitwise_and_changes_no_output(model, plan, rng):
     with Engine(plan, model, progress=False, room_min_read_tokens=0) as engine:
         loaded = drafter_slots(engine)
         assert np.array_equal(loaded, expected_drafter_slots(engine, model))
+        streamed = engine.experts.stream_block
+        chunk_experts = []      # a chunk routed to at most the ring's 2 experts leaves the room unwritten
+
+        def counting(block, ids, *args):
+            chunk_experts.append(np.unique(ids).size)
+            return streamed(block, ids, *args)
+        engine.experts.stream_block = counting
         roomed = engine.generate(prompt, max_new_tokens=3, return_logits=True, draft_depth=1)
         stats = engine.stats()
         assert stats["room_requests"] == 1 and stats["last_request"]["room_open"]
-        assert engine.experts.stats.room_reclaims == 1, "the ring should have streamed into the drafter's slots"
+        assert engine.experts.stats.room_reclaims == int(max(chunk_experts) > 2), \
+            f"the ring streamed {chunk_experts} experts a chunk: the room is written exactly when they pass 2"
         assert np.array_equal(drafter_slots(engine), loaded)
         engine.room_min_read_tokens = None
         shut = engine.generate(prompt, max_new_tokens=3, return_logits=True, draft_depth=0)

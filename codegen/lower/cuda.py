@@ -74,6 +74,56 @@ else:
         return libdevice.float_as_int(value)
 
 
+if SIMULATOR:
+    def load4(array, index):
+        """Elements index..index + 3 of `array`'s last axis (index: an integer, or a tuple for a 2-D array)."""
+        if isinstance(index, tuple):
+            row, first = index
+            return array[row, first], array[row, first + 1], array[row, first + 2], array[row, first + 3]
+        return array[index], array[index + 1], array[index + 2], array[index + 3]
+else:
+    from llvmlite import ir as _ir
+    from numba.cuda import cgutils as _cgutils
+    from numba.cuda.api_util import normalize_indices as _normalize_indices
+    from numba.cuda.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def load4(typingctx, array, index):
+        """Elements index..index + 3 of `array`'s last axis (an int32 or float32 array; index: an integer, or a
+        tuple for a 2-D array) as a 4-tuple, in one 16-byte load through the read-only cache
+        (`ld.global.nc.v4`): numba's indexing emits 4-byte loads only, so a lane would need four loads in
+        flight for the same bytes. The first element's address must be a multiple of 16 bytes (a misaligned
+        address stops the kernel with a CUDA error; it never reads a wrong value)."""
+        element = array.dtype
+        signature = _numba_types.UniTuple(element, 4)(array, index)
+
+        def codegen(context, builder, sig, args):
+            array_type, index_type = sig.args
+            array_value, indices = args
+            index_type, indices = _normalize_indices(context, builder, index_type, indices, array_type, element)
+            struct = context.make_array(array_type)(context, builder, value=array_value)
+            pointer = _cgutils.get_item_pointer(context, builder, array_type, struct, indices, wraparound=False)
+            value_type = context.get_value_type(element)
+            kind, constraint = ("f32", "f") if element == _numba_types.float32 else ("b32", "r")
+            load = _ir.InlineAsm(_ir.FunctionType(_ir.LiteralStructType([value_type] * 4), [pointer.type]),
+                                 f"ld.global.nc.v4.{kind} {{$0, $1, $2, $3}}, [$4];",
+                                 ",".join([f"={constraint}"] * 4) + ",l")
+            loaded = builder.call(load, [pointer])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, k) for k in range(4)])
+
+        if element not in (_numba_types.int32, _numba_types.float32):
+            return None
+        return signature, codegen
+
+
+def aligned16(array) -> bool:
+    """Whether `load4` may read this device array at every index that is a multiple of 4 along its last axis:
+    its start and its row strides are multiples of 16 bytes (the simulator's arrays always may)."""
+    if SIMULATOR or array.size == 0:
+        return True
+    return array.device_ctypes_pointer.value % 16 == 0 and all(stride % 16 == 0 for stride in array.strides[:-1])
+
+
 @cuda.jit(device=True, inline=True)
 def roundf(x):
     """C's roundf (half away from zero), as ggml quantizes; written out so the simulator agrees bitwise."""
@@ -343,4 +393,4 @@ class CapturedGraph:
 
 __all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
            "mapped_device_view", "mapped_filled", "mapped_host_view", "event_done", "launch_kernel", "kernel_counts",
-           "copy_rows"]
+           "copy_rows", "load4", "aligned16"]

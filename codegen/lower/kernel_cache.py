@@ -120,6 +120,9 @@ def _describe(value, seen: set) -> str:
         return f"{type(value).__qualname__}({', '.join(fields)})"
     if isinstance(value, types.FunctionType):
         return _describe_function(value, seen)
+    definition = getattr(value, "_defn", None)         # a numba intrinsic: its typing function holds its codegen
+    if isinstance(definition, types.FunctionType):
+        return f"intrinsic {_describe_function(definition, seen)}"
     py_function = getattr(value, "py_func", None)      # a numba dispatcher (a kernel or a device function)
     if isinstance(py_function, types.FunctionType):
         return f"jit {_describe_function(py_function, seen)}"

@@ -11,8 +11,8 @@ are unsigned and thread ids masked (IDX): numba then emits no negative-index fix
 as float4.
 
 decode family (rows <= MAX_WINDOW, memory-bound): a group of `tg` threads owns `nr` weight rows; its lanes
-  read consecutive chunks of `cw` words of each row (coalesced, `unroll` chunks in flight per lane), decode
-  them once into registers, and apply them to every window row (activations read through L1). Each lane's
+  read consecutive 16-byte chunks of each row (`load4`: coalesced, `unroll` chunks in flight per lane), decode
+  them once into registers, and apply them to every window row (activations read through L1, 16 bytes a load). Each lane's
   partial sums, in chunk order, meet in a fixed shared-memory tree. A window row's result is computed by the
   same operations whatever the window holds, and each weight is read once per window.
 prefill family (compute-bound): a 256-thread block computes a bm x 128 tile (8 x 8 or 4 x 8 register tiles
@@ -30,7 +30,8 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower import FAMILIES, MAX_WINDOW
-from codegen.lower.cuda import SIMULATOR, bits_to_f32, cuda, f32_to_bits, launch_kernel, mapped_device_view
+from codegen.lower.cuda import (SIMULATOR, aligned16, bits_to_f32, cuda, f32_to_bits, launch_kernel, load4,
+                                mapped_device_view)
 from codegen.lower.weights import KERNEL_TYPES, QUANT_BLOCK
 
 MW = MAX_WINDOW
@@ -154,6 +155,7 @@ def words(weight):
     made = _words_of.get(key)
     if made is None or made[0]() is not weight:
         data, scales = mapped_device_view(weight.data), mapped_device_view(weight.scales)
+        check_aligned("a weight", data)
         made = _words_of[key] = (weakref.ref(weight), (data.reshape(-1).view(np.int32), scales.reshape(-1)))
         weakref.finalize(weight, _words_of.pop, key, None)
     return made[1]
@@ -173,19 +175,15 @@ def silu(g):
 
 MAX_UNROLL = 4
 ROW_VALUES = 4      # weight rows x window rows a lane accumulates, at most: its sums stay in registers
+CHUNK_WORDS = 4     # a lane's chunk of a row: one 16-byte load (`load4`)
 
 
 class DecodeShape(NamedTuple):
     tg: int         # threads of a group (a power of two); fixes the reduction order, so never a window's choice
     groups: int     # groups in a block
     nr: int         # weight rows of a group (per matrix)
-    cw: int         # words a lane reads per chunk (one scale)
     unroll: int     # chunks in flight per lane
     window: int     # activation rows the kernel is compiled for
-
-
-def chunk_words(fmt: Format) -> int:
-    return 1 if fmt.vpw == 8 else 2
 
 
 LANES_IN_FLIGHT = 192 * 1024    # lanes whose loads keep the H200's memory busy (~4.4 TB/s x ~1 us of latency)
@@ -194,10 +192,9 @@ LANES_IN_FLIGHT = 192 * 1024    # lanes whose loads keep the H200's memory busy 
 def group_threads(fmt: Format, n_in: int, n_out: int) -> int:
     """Lanes per row group: a warp, or up to 128 while a matrix has too few rows to give LANES_IN_FLIGHT
     lanes two rows each (never more than a row has chunks): a short matrix's rows are then read in fewer,
-    wider rounds of loads (4096 x 4096 Q8_0: 16.3 us at 32 lanes, 10.7 us at 128; 12288 x 4096 is best at
-    32; BENCHMARKS.md's sweep). A function of the matrix alone: a row's sum is then computed in the same
-    order whatever window the kernel serves."""
-    chunks = n_in // fmt.vpw // chunk_words(fmt)
+    wider rounds of loads (BENCHMARKS.md's sweep). A function of the matrix alone: a row's sum is then
+    computed in the same order whatever window the kernel serves."""
+    chunks = n_in // fmt.vpw // CHUNK_WORDS
     tg = 32
     while tg < 128 and tg < chunks and -(-n_out // 2) * tg < LANES_IN_FLIGHT:
         tg *= 2
@@ -211,6 +208,13 @@ def window_rows(x) -> int:
     return x.shape[0]
 
 
+def check_aligned(what: str, array) -> None:
+    """Refuse an array the decode family's 16-byte loads cannot read (`aligned16`), before a launch faults."""
+    if not aligned16(array):
+        raise ValueError(f"{what}: the decode family reads 16-byte aligned rows; this array starts or steps at "
+                         "an address that is not a multiple of 16 bytes")
+
+
 @functools.cache
 def decode_shape(fmt: Format, n_in: int, n_out: int, window: int) -> DecodeShape:
     """A group takes 2 rows, or as many as its sums allow (ROW_VALUES / window: a chunk's activation loads
@@ -218,15 +222,15 @@ def decode_shape(fmt: Format, n_in: int, n_out: int, window: int) -> DecodeShape
     previous one is applied (more cost registers and measured slower: BENCHMARKS.md's sweep). The simulator
     keeps the fuller groups: it runs every thread as a Python thread, and a group's rows leave its sums as
     they are."""
-    tg, cw = group_threads(fmt, n_in, n_out), chunk_words(fmt)
+    tg = group_threads(fmt, n_in, n_out)
     nr = max(2, ROW_VALUES // window)
     while not SIMULATOR and nr > 1 and -(-n_out // nr) * tg < 32 * 1024:
         nr //= 2
-    return DecodeShape(tg, 256 // tg, nr, cw, 1, window)
+    return DecodeShape(tg, 256 // tg, nr, 1, window)
 
 
 @functools.cache
-def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unroll: int, window: int):
+def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, window: int):
     """(dot, reduce) device functions for groups of `tg` lanes over `n_a` rows of matrix a and `n_b` of b,
     compiled for activation windows of up to `window` rows.
 
@@ -234,7 +238,13 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unro
       acc[i, r] of weight row i (rows row_a.. of a, then row_b.. of b; clamped to last_*) with activation
       row xrow[r] of x, r < nx <= window (nothing, not even a load, when nx is 0).
     reduce(red, g, lane, acc, nx): group g's lanes summed in a fixed tree: totals in red[g, i * window + r, 0].
-    A sum's operations depend on (type, n_in, tg, cw) only: every window and row count gives bitwise the same.
+    A sum's operations depend on (type, n_in, tg) only: every window and row count gives bitwise the same.
+
+    A chunk is 4 words of a row, read in one 16-byte load, and is applied in steps: the words whose values
+    fill whole float4s of x (F32 4 words, F16 2, Q8_0 1; Q4_0 1 word, two float4s, as a word holds values j
+    and j + 16 of its block), each step's x read in 16-byte loads for every window row, then each row's words
+    decoded once and applied to them. A chunk's products go into one sum per (row, window row) in value
+    order, which the block's scale then multiplies.
     """
     if not 1 <= unroll <= MAX_UNROLL:
         raise ValueError(f"unroll {unroll}: 1..{MAX_UNROLL} chunks in flight")
@@ -242,6 +252,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unro
         raise ValueError(f"window {window}: the decode family takes 1..{MW} rows")
     fmt = FORMATS[T(ggml_type)]
     vpw, wps, decode, elem = fmt.vpw, fmt.wps, fmt.decode, fmt.elem
+    cw = CHUNK_WORDS
     wpr = n_in // vpw
     spr = wpr // wps if wps else 0
     chunks = wpr // cw
@@ -249,31 +260,46 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unro
     padded = -(-iters // unroll) * unroll
     full = chunks % tg == 0 and iters % unroll == 0
     nw, m = n_a + n_b, cw * vpw
+    step_words = max(1, 4 // vpw)
+    steps, step_values = cw // step_words, step_words * vpw
+    quads = step_values // 4
     levels = tg.bit_length() - 1
     wps_u = U(max(wps, 1))
 
     @cuda.jit(device=True, inline=True)
-    def apply(u, it, held, scale, vals, xv, x, xrow, nx, lane, acc):
-        """Chunk u of the group in flight: decode its words once, then apply them to every window row."""
+    def apply(u, it, held, scale, vals, xs, part, x, xrow, nx, lane, acc):
+        """Chunk u of the group in flight: per step, x's values for every window row, then each row's words
+        decoded once and applied to all of them."""
         c = (it + u) * tg + lane
         if full or c < chunks:
+            x0 = c * m
             for i in range(nw):
-                for q in range(cw):
-                    decode(held[u, i, q], vals, i, q * vpw)
-            for r in range(window):
-                if r < nx:
-                    xr = U(xrow[r])
-                    for q in range(cw):
-                        for v in range(vpw):
-                            xv[q * vpw + v] = x[xr, U(elem(c * cw + q, v, vpw))]
-                    for i in range(nw):
-                        p = vals[i, 0] * xv[0]
-                        for e in range(1, m):
-                            p += vals[i, e] * xv[e]
+                for r in range(window):
+                    part[i, r] = np.float32(0)
+            for t in range(steps):
+                for r in range(window):
+                    if r < nx:
+                        xr = U(xrow[r])
+                        for j in range(quads):
+                            quad = load4(x, (xr, U(x0 + elem(t * step_words, 4 * j, vpw))))
+                            xs[r, 4 * j] = quad[0]
+                            xs[r, 4 * j + 1] = quad[1]
+                            xs[r, 4 * j + 2] = quad[2]
+                            xs[r, 4 * j + 3] = quad[3]
+                for i in range(nw):
+                    for q in range(step_words):
+                        decode(held[u, i, t * step_words + q], vals, 0, q * vpw)
+                    for r in range(window):
+                        if r < nx:
+                            for e in range(step_values):
+                                part[i, r] += vals[0, e] * xs[r, e]
+            for i in range(nw):
+                for r in range(window):
+                    if r < nx:
                         if wps:
-                            acc[i, r] += scale[u, i] * p
+                            acc[i, r] += scale[u, i] * part[i, r]
                         else:
-                            acc[i, r] += p
+                            acc[i, r] += part[i, r]
 
     @cuda.jit(device=True, inline=True)
     def fetch(it, wa, sa, wb, sb, woff, lane, held, scale):
@@ -283,8 +309,11 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unro
             if full or c < chunks:
                 for i in range(nw):
                     wsrc, ssrc = (wa, sa) if i < n_a else (wb, sb)
-                    for q in range(cw):
-                        held[u, i, q] = wsrc[U(woff[i] * wpr + c * cw + q)]
+                    chunk = load4(wsrc, U(woff[i] * wpr + c * cw))
+                    held[u, i, 0] = chunk[0]
+                    held[u, i, 1] = chunk[1]
+                    held[u, i, 2] = chunk[2]
+                    held[u, i, 3] = chunk[3]
                     if wps:
                         scale[u, i] = np.float32(ssrc[U(woff[i] * spr) + U(c * cw) // wps_u])
 
@@ -304,8 +333,9 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unro
             scale = cuda.local.array((unroll, nw), np.float32)
             ahead = cuda.local.array((unroll, nw, cw), np.int32)
             ahead_scale = cuda.local.array((unroll, nw), np.float32)
-            vals = cuda.local.array((nw, m), np.float32)
-            xv = cuda.local.array(m, np.float32)
+            vals = cuda.local.array((1, step_values), np.float32)
+            xs = cuda.local.array((window, step_values), np.float32)
+            part = cuda.local.array((nw, window), np.float32)
             fetch(0, wa, sa, wb, sb, woff, lane, held, scale)
             for it in range(0, padded, unroll):
                 # the next chunks' loads go out before these chunks' arithmetic: loads always in flight
@@ -313,13 +343,13 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, cw: int, unro
                     fetch(it + unroll, wa, sa, wb, sb, woff, lane, ahead, ahead_scale)
                 # written out, not a loop: the compiler would not unroll a loop this big, and the chunks'
                 # registers must be indexed by constants
-                apply(0, it, held, scale, vals, xv, x, xrow, nx, lane, acc)
+                apply(0, it, held, scale, vals, xs, part, x, xrow, nx, lane, acc)
                 if unroll > 1:
-                    apply(1, it, held, scale, vals, xv, x, xrow, nx, lane, acc)
+                    apply(1, it, held, scale, vals, xs, part, x, xrow, nx, lane, acc)
                 if unroll > 2:
-                    apply(2, it, held, scale, vals, xv, x, xrow, nx, lane, acc)
+                    apply(2, it, held, scale, vals, xs, part, x, xrow, nx, lane, acc)
                 if unroll > 3:
-                    apply(3, it, held, scale, vals, xv, x, xrow, nx, lane, acc)
+                    apply(3, it, held, scale, vals, xs, part, x, xrow, nx, lane, acc)
                 for u in range(unroll):
                     for i in range(nw):
                         for q in range(cw):
@@ -351,7 +381,7 @@ def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeS
     b = up) for any n_out = out.shape[1] and x.shape[0] <= shape.window."""
     tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
     n_b = nr if swiglu else 0
-    dot, reduce = decode_core(ggml_type, n_in, nr, n_b, tg, shape.cw, shape.unroll, window)
+    dot, reduce = decode_core(ggml_type, n_in, nr, n_b, tg, shape.unroll, window)
     red_shape, acc_shape = (groups, (nr + n_b) * window, tg), (nr + n_b, window)
 
     @cuda.jit
@@ -378,6 +408,7 @@ def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeS
                 out[r, n0 + i] = value
 
     def launch(stream, x, wa, sa, wb, sb, b, out):
+        check_aligned("a decode matmul's activations", x)
         launch_kernel(kernel, -(-out.shape[1] // (groups * nr)), groups * tg, stream, x, wa, sa, wb, sb, b, out)
     return launch
 

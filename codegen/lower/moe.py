@@ -45,7 +45,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower.cuda import cuda, launch_kernel
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, FORMATS, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
-                                  check, chunk_words, decode_core, prefill_core, silu, window_rows, words)
+                                  check, check_aligned, decode_core, prefill_core, silu, window_rows, words)
 
 GROUP_THREADS = 1024    # at most, for make_moe_groups: (expert, segment) items, one thread each
 GROUP_SEGMENT_PAIRS = 512   # pairs per segment, at least: few pairs (decode) get one segment, one thread each
@@ -156,21 +156,17 @@ def make_moe_groups(n_expert: int, k: int):
 # decode family
 
 
-def decode_swiglu_shape(ggml_type, n_in: int, window: int) -> DecodeShape:
+def decode_swiglu_shape(window: int) -> DecodeShape:
     """A warp per group, 1 gate + 1 up row or as many pairs as its sums allow (ROW_VALUES / 2 / window): an
     expert's columns spread over many blocks, each chunk's activations serve every row."""
-    fmt = FORMATS[T(ggml_type)]
-    cw = chunk_words(fmt)
     nr = max(1, ROW_VALUES // 2 // window)
-    return DecodeShape(32, 8, nr, cw, 1, window)
+    return DecodeShape(32, 8, nr, 1, window)
 
 
-def decode_down_shape(ggml_type, n_ff: int, window: int) -> DecodeShape:
+def decode_down_shape(window: int) -> DecodeShape:
     """A warp per active expert (a one-token step's 8 at once), 2 rows each or ROW_VALUES / window."""
-    fmt = FORMATS[T(ggml_type)]
-    cw = chunk_words(fmt)
     nr = max(2, ROW_VALUES // window)
-    return DecodeShape(32, 8, nr, cw, 1, window)
+    return DecodeShape(32, 8, nr, 1, window)
 
 
 @functools.cache
@@ -180,7 +176,7 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
     gate/up; expert e's rows come from the slot arrays (g*, u*) at slot_of[e], or the host arrays (hg*, hu*)
     at e when slot_of[e] < 0."""
     tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
-    dot, reduce = decode_core(ggml_type, n_in, nr, nr, tg, shape.cw, shape.unroll, window)
+    dot, reduce = decode_core(ggml_type, n_in, nr, nr, tg, shape.unroll, window)
     red_shape, acc_shape = (groups, 2 * nr * window, tg), (2 * nr, window)
 
     @cuda.jit
@@ -227,7 +223,7 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
     slot_of[e] < 0); the block's groups take the active experts in turn, then each output sums its row's
     terms in ascending expert id order."""
     tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
-    dot, reduce = decode_core(ggml_type, n_ff, nr, 0, tg, shape.cw, shape.unroll, window)
+    dot, reduce = decode_core(ggml_type, n_ff, nr, 0, tg, shape.unroll, window)
     red_shape, dots_shape, acc_shape = (groups, nr * window, tg), (window * k, nr), (nr, window)
     n_pairs = window * k
 
@@ -530,7 +526,8 @@ def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_exper
     if family == "decode":
         def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None):
             _range(family, n_expert, lo, hi)
-            shape = decode_swiglu_shape(ggml_type, n_in, window_rows(x))
+            check_aligned("a routed gate/up's activations", x)
+            shape = decode_swiglu_shape(window_rows(x))
             decode_swiglu(T(ggml_type), n_in, n_ff, n_expert, k, shape, strides)(
                 stream, x, grouped, slot_of, *words(gate), *words(up), *words(host_gate), *words(host_up),
                 act)
@@ -561,7 +558,8 @@ def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert
     if family == "decode":
         def launch(stream, act, grouped, route_w, slot_of, down, host_down, out, lo=0, hi=None):
             _range(family, n_expert, lo, hi)
-            shape = decode_down_shape(ggml_type, n_ff, window_rows(route_w))
+            check_aligned("a routed down projection's activations", act)
+            shape = decode_down_shape(window_rows(route_w))
             decode_down(T(ggml_type), n_ff, n_out, n_expert, k, shape, strides)(
                 stream, act, grouped, route_w, slot_of, *words(down), *words(host_down), out)
         return launch
