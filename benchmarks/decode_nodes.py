@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.ceilings import read_bandwidth_bytes_per_s, time_s
-from benchmarks.e2e import CONTEXT, reduced_card
+from runtime.ceilings import read_bandwidth_bytes_per_s, time_s
+from benchmarks.e2e import CONTEXT
+from runtime.synthetic import reduced_card
 from codegen.lower.cuda import CapturedGraph, cuda, device_name
 from planner.search import solve
 from planner.workload import Workload

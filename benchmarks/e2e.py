@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from benchmarks.ceilings import (kernel_launch_s, pinned_copy_bytes_per_s, read_bandwidth_bytes_per_s, time_s,
+from runtime.ceilings import (kernel_launch_s, pinned_copy_bytes_per_s, read_bandwidth_bytes_per_s, time_s,
                                  zero_copy_read_bytes_per_s)
 from codegen.lower.cuda import cuda, device_name
 from planner.model import load_model
@@ -37,25 +37,9 @@ from planner.workload import Workload
 from plans import HARDWARE_DIR, MODELS_DIR
 from planner.search import solve
 from runtime.engine import Engine
-from runtime.synthetic import realistic_weights
+from runtime.synthetic import CARD, realistic_weights, reduced_card
 
-CARD = "qwen3-30b-a3b-q8_0"
 CONTEXT = 8192
-
-
-def reduced_card(layers: int, folder: Path, card_name: str = CARD, types: str | None = None,
-                 metadata: dict | None = None) -> Path:
-    """The bundled card with `layers` trunk blocks (and its NextN blocks), every matrix in `types` if given,
-    `metadata` changed."""
-    card = yaml.safe_load((MODELS_DIR / f"{card_name}.yaml").read_text())
-    card["name"] = f"{card_name}-{layers}-blocks" + (f"-{types}" if types else "")
-    card["metadata"].update(metadata or {})
-    card["metadata"]["block_count"] = layers + card["metadata"].get("nextn_predict_layers", 0)
-    if types:
-        card["types"], card["overrides"] = {"default": types}, []
-    path = folder / f"{card['name']}.yaml"
-    path.write_text(yaml.safe_dump(card))
-    return path
 
 
 def emulated_profile(name: str, measured: dict, layers: int, folder: Path, card_name: str = CARD,
@@ -98,8 +82,10 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
     plan = solve(profile, card, context=CONTEXT, kv="f16", workload=workload)
     model = load_model(card)
     started = time.perf_counter()
+    free_before, _ = cuda.current_context().get_memory_info()
     engine = Engine(plan, card, tensors=tensors)
     start_s = time.perf_counter() - started
+    allocated = free_before - cuda.current_context().get_memory_info()[0]
     try:
         vocab = model.hparams.n_vocab
         engine.generate(rng.integers(0, vocab, size=64).tolist(), 4)         # warm the host paths
@@ -126,7 +112,8 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
     predicted_decode = nearest(plan.predictions["decode"], "depth", prompt_tokens)["tok_s_without_mtp"]
     prefill_tok_s, decode_tok_s = prompt_tokens / out.prefill_s, 1 / step_s
     return {
-        "plan": name, "device GiB": plan.device_bytes(0) / 2 ** 30, "start s": start_s,
+        "plan": name, "device GiB": plan.device_bytes(0) / 2 ** 30,
+        "allocated - plan MiB": (allocated - plan.device_bytes(0)) / 2 ** 20, "start s": start_s,
         "cache slots": plan.knobs["expert_cache_slots"][0], "ring slots": plan.knobs["prefill_ring_slots"],
         "chunk": plan.knobs["chunk_tokens"],
         "prefill tok/s": prefill_tok_s, "prefill floor": floor_prefill_s / out.prefill_s if streamed else None,

@@ -2,12 +2,13 @@
 
     NUMBA_ENABLE_CUDASIM=0 PYTHONPATH=. python3 benchmarks/kernels.py
 
-First the ceilings (device read bandwidth, FP32 peak: benchmarks/ceilings.py), then the matmul tables (decode
+First the ceilings (device read bandwidth, FP32 peak: runtime/ceilings.py), then the matmul tables (decode
 GEMV per weight type and shape, the MoE decode step of one layer, prefill GEMM; numbered versions first) and
 the attention tables (decode attention over 32K tokens of K/V; prefill attention).
 """
 
-from benchmarks import ceilings, kernels_attention, kernels_matmul
+from benchmarks import kernels_attention, kernels_matmul
+from runtime import ceilings
 
 
 def main():

@@ -1,6 +1,6 @@
 """Attention kernels on the GPU: numbered versions of decode attention (llm.c dev/cuda style, each checked
 against the float64 reference and timed), then the production kernels of `codegen.lower.attention`: decode
-attention over 32K tokens of K/V and prefill attention, against the ceilings `benchmarks.ceilings` measures in
+attention over 32K tokens of K/V and prefill attention, against the ceilings `runtime.ceilings` measures in
 the same run.
 
     NUMBA_ENABLE_CUDASIM=0 PYTHONPATH=. python3 benchmarks/kernels_attention.py [--sweep]
@@ -32,7 +32,7 @@ import sys
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from benchmarks.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_bytes_per_s
+from runtime.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_bytes_per_s
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import attention as att
 from codegen.lower.attention_combine import make_attention_combine

@@ -1,6 +1,6 @@
 """Matmul kernels on the GPU: numbered versions of the decode GEMV and the prefill GEMM (llm.c dev/cuda style,
 each checked against the float64 reference and timed), then the production kernels of
-`codegen.lower.matmul` / `codegen.lower.moe` against the ceilings `benchmarks.ceilings` measures in the same run.
+`codegen.lower.matmul` / `codegen.lower.moe` against the ceilings `runtime.ceilings` measures in the same run.
 
     NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/kernels_matmul.py
 
@@ -26,7 +26,7 @@ import sys
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from benchmarks.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_bytes_per_s
+from runtime.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_bytes_per_s
 from codegen.graph import moe_groups_length
 from codegen.lower import matmul, moe, weights
 from codegen.lower.cuda import cuda, device_name, mapped_filled

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.e2e import emulated_profile, measure_links, reduced_card
+from benchmarks.e2e import emulated_profile, measure_links
+from runtime.synthetic import reduced_card
 from codegen.lower.cuda import cuda
 from planner.model import load_model
 from planner.search import solve

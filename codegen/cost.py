@@ -1,4 +1,6 @@
-"""Roofline time of a pass on a GPU: each node takes max(FLOPs / peak, bytes / bandwidth).
+"""Time of a pass on a GPU: each node takes its family's latency plus its roofline time, max(FLOPs / peak,
+bytes / bandwidth), over its family's efficiency (`planner.profile.Kernels`, measured by `stratum profile
+--detect`; an uncalibrated profile prices the plain roofline).
 
 Activations are float32 and the kernels run on CUDA cores, so the FP32 peak is the compute roof. The graph
 may hold one representative block per kind (`graph.representative_layers`); each representative stands for
@@ -17,16 +19,35 @@ import numpy as np
 
 from codegen.graph import representative_of
 from planner.architecture import tensor_layer
-from planner.profile import GPU
+from planner.profile import GPU, KernelFit
+
+MATMUL_OPS = ("matmul", "swiglu_matmul")
+ATTENTION_OPS = ("attention", "attention_combine")
+
+
+def kernel_family(node: dict, decode: bool) -> str:
+    """The `planner.profile.Kernels` field that prices a node: its kind's, in the decode or the prefill family."""
+    kind = ("experts" if "expert_layer" in node else "matmul" if node["op"] in MATMUL_OPS
+            else "attention" if node["op"] in ATTENTION_OPS else None)
+    return "small" if kind is None else f"{'decode' if decode else 'prefill'}_{kind}"
+
+
+def kernel_fit(gpu: GPU, node: dict, decode: bool) -> KernelFit:
+    return getattr(gpu.kernels, kernel_family(node, decode))
+
+
+def fitted_s(fit: KernelFit, roofline_s):
+    return fit.latency_s + roofline_s / fit.efficiency
 
 
 @dataclass
 class PassCost:
     fixed_s: float = 0.0              # every node but attention and routed experts
     attention: list = field(default_factory=list)   # (flops, flops per context token, bytes, K/V bytes per
-    #                                                    resident context token, blocks it stands for)
+    #                                                    resident context token, blocks it stands for, its fit)
     block_fixed_s: float = 0.0        # one MoE block's fixed part (attention excluded): the ring's prefetch window
     expert_compute_s: float = 0.0     # one MoE block's expert arithmetic and activations (weights excluded)
+    expert_efficiency: float = 1.0    # the expert kernels' fit: the planner divides their weight reads by it
     kv_bytes_per_token: int = 0       # K/V bytes one context position adds, over all the pass's blocks
     n_nodes: int = 0                  # kernel launches the pass replays
     peak_flops: float = 1.0
@@ -34,9 +55,9 @@ class PassCost:
 
     def attention_s(self, context_tokens, resident_tokens, per_block: bool = False):
         total = 0.0
-        for flops, flops_per_token, moved, kv_per_token, blocks in self.attention:
-            seconds = np.maximum((flops + flops_per_token * context_tokens) / self.peak_flops,
-                                 (moved + kv_per_token * resident_tokens) / self.bandwidth)
+        for flops, flops_per_token, moved, kv_per_token, blocks, fit in self.attention:
+            seconds = fitted_s(fit, np.maximum((flops + flops_per_token * context_tokens) / self.peak_flops,
+                                               (moved + kv_per_token * resident_tokens) / self.bandwidth))
             if per_block:
                 return seconds
             total = total + blocks * seconds
@@ -62,6 +83,8 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
     for block in blocks:
         represented.setdefault(representative_of(hp, block), []).append(block)
     cost = PassCost(peak_flops=gpu.fp32_flops, bandwidth=gpu.memory_bandwidth_bytes_per_s)
+    decode = graph.graph["kind"] != "prefill"
+    cost.expert_efficiency = (gpu.kernels.decode_experts if decode else gpu.kernels.prefill_experts).efficiency
     for name, node in graph.nodes(data=True):
         if node["op"] == "input":
             continue
@@ -73,23 +96,50 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
             stands_for = represented.get(rep, [])
         if not stands_for:
             continue
-        activations = node["out_bytes"] + sum(graph.nodes[p]["out_bytes"] for p in graph.predecessors(name))
+        activations = activation_bytes(graph, name)
         cost.n_nodes += len(stands_for)
+        fit = kernel_fit(gpu, node, decode)
         if node["op"] == "attention":
             moved = activations + node["weight_bytes"]
             cost.attention.append((node["flops"], node["flops_per_context_token"], moved, node["kv_read"],
-                                   len(stands_for)))
+                                   len(stands_for), fit))
             cost.kv_bytes_per_token += node["kv_read"] * len(stands_for)
             continue
         moved = activations + node.get("kv_write", 0)
         if "expert_layer" in node:
-            cost.expert_compute_s += max(node["flops"] / gpu.fp32_flops, moved / gpu.memory_bandwidth_bytes_per_s)
+            cost.expert_compute_s += fitted_s(fit, max(node["flops"] / gpu.fp32_flops,
+                                                       moved / gpu.memory_bandwidth_bytes_per_s))
             continue
         for block in stands_for:
             weights = node["weight_bytes"] if block is None or block == rep else \
                 sum(weight_bytes[w.replace(f"blk.{rep}.", f"blk.{block}.", 1)] for w in node["weights"])
-            seconds = max(node["flops"] / gpu.fp32_flops, (moved + weights) / gpu.memory_bandwidth_bytes_per_s)
+            seconds = fitted_s(fit, max(node["flops"] / gpu.fp32_flops,
+                                        (moved + weights) / gpu.memory_bandwidth_bytes_per_s))
             cost.fixed_s += seconds
             if block is not None and block == rep and hp.is_moe_layer(rep):
                 cost.block_fixed_s += seconds
     return cost
+
+
+def activation_bytes(graph: nx.DiGraph, name: str) -> int:
+    """The activations a node reads and writes."""
+    return graph.nodes[name]["out_bytes"] + sum(graph.nodes[p]["out_bytes"] for p in graph.predecessors(name))
+
+
+def node_roofline_s(graph: nx.DiGraph, name: str, gpu: GPU, model, context_tokens: int) -> float:
+    """The roofline time of one node of a pass graph that holds every block, with `context_tokens` of K/V in
+    VRAM: its FLOPs at the FP32 peak or its bytes at the read bandwidth, whichever is longer (what
+    `pass_cost` charges it, before calibration). A routed-expert node reads the weights of as many experts as
+    its rows can use (k a row, at most all of them)."""
+    node = graph.nodes[name]
+    flops, moved = node["flops"], activation_bytes(graph, name) + node.get("kv_write", 0)
+    if node["op"] == "attention":
+        flops += node["flops_per_context_token"] * context_tokens
+        moved += node["weight_bytes"] + node["kv_read"] * context_tokens
+    elif "expert_layer" in node:
+        hp = model.hparams
+        used = min(hp.n_expert, graph.graph["tokens"] * hp.n_expert_used)
+        moved += sum(model.tensor_bytes[w] for w in node["weights"]) * used / hp.n_expert
+    else:
+        moved += node["weight_bytes"]
+    return max(flops / gpu.fp32_flops, moved / gpu.memory_bandwidth_bytes_per_s)

@@ -124,6 +124,14 @@ def cmd_profiles(args):
                   f"{format_rate(gpu.host_to_device_bytes_per_s):>9} host link")
 
 
+def cmd_profile(args):
+    if not args.detect:
+        raise StratumError("stratum profile writes this machine's hardware profile: give --detect (it measures "
+                           "the GPU for a few minutes)")
+    from runtime.detect import detect
+    detect(Path(args.output), name=args.name, calibrate=not args.no_calibrate)
+
+
 def cmd_models(args):
     from planner.model import bundled_cards, load_model
     from planner.units import format_bytes
@@ -223,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_generate)
     sub.add_parser("profiles", help="the bundled hardware profiles").set_defaults(run=cmd_profiles)
     sub.add_parser("models", help="the bundled model cards").set_defaults(run=cmd_models)
+    p = sub.add_parser("profile", help="measure this machine's GPU and write its hardware profile")
+    p.add_argument("--detect", action="store_true", help="measure memory, bandwidths, links, launch costs and "
+                   "this project's kernels on GPU 0")
+    p.add_argument("-o", "--output", default="profile.yaml", help="the profile to write (default: profile.yaml)")
+    p.add_argument("--name", help="the profile's name (default: the file's stem)")
+    p.add_argument("--no-calibrate", action="store_true", help="skip the kernel calibration (its two minutes)")
+    p.set_defaults(run=cmd_profile)
     _add_engine_arguments(sub)
     return parser
 

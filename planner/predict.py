@@ -140,7 +140,8 @@ class DeviceCost:
         else:
             miss_table, _, total, _ = self.window_tables(tokens)
             miss = miss_table.total(cache_slots)
-        experts_s = (total - miss) / g.memory_bandwidth_bytes_per_s + miss / g.zero_copy_read_bytes_per_s
+        experts_s = ((total - miss) / g.memory_bandwidth_bytes_per_s
+                     + miss / g.zero_copy_read_bytes_per_s) / cost.expert_efficiency
         streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.host_to_device_bytes_per_s
         return (cost.dense_s(depth, resident) + streamed_kv + experts_s + len(self.moe_blocks) * cost.expert_compute_s
                 + cost.n_nodes * g.graph_node_overhead_s)
@@ -152,7 +153,8 @@ class DeviceCost:
         cost = self.cost("draft", 1)
         span = np.minimum(depth, window_tokens)
         drafter = self.model.drafter_expert_layers[0]
-        experts_s = self.model.hparams.n_expert_used * drafter.blob_bytes / self.gpu.memory_bandwidth_bytes_per_s
+        experts_s = (self.model.hparams.n_expert_used * drafter.blob_bytes / self.gpu.memory_bandwidth_bytes_per_s
+                     / cost.expert_efficiency)
         return cost.dense_s(span, span) + experts_s + cost.expert_compute_s + cost.n_nodes * self.gpu.graph_node_overhead_s
 
     # --- prefill ---------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ The schema, with every field's meaning, is `plans/hardware/SCHEMA.md`. Bundled p
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from planner.document import read_document
@@ -20,7 +20,7 @@ _GPU_FIELDS = {
     "reserved": (parse_bytes, None),
     "memory_bandwidth": (parse_rate, None),
     "fp32": (parse_flops, None),
-    "fp16": (parse_flops, None),
+    "fp16": (parse_flops, "fp32"),
     "host_to_device": (parse_rate, None),
     "device_to_host": (parse_rate, None),
     "zero_copy_read": (parse_rate, "host_to_device"),
@@ -32,6 +32,31 @@ _HOST_FIELDS = {
     "ram": (parse_bytes, None),
     "pinned_budget": (parse_bytes, None),
 }
+
+
+@dataclass(frozen=True)
+class KernelFit:
+    """How one family of this project's kernels runs on a GPU: a kernel takes latency_s plus its roofline time
+    (the larger of FLOPs / fp32 and bytes / memory_bandwidth) over efficiency. Uncalibrated: the roofline."""
+    efficiency: float = 1.0
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The calibration `stratum profile --detect` measures (`runtime.detect`): one fit per kernel family. The
+    decode families serve windows of 1..8 rows (memory-bound), the prefill families chunks (compute-bound);
+    `small` is every other kernel (norms, RoPE, adds, top-k, K/V store, embedding, argmax) in either pass."""
+    decode_matmul: KernelFit = KernelFit()
+    decode_attention: KernelFit = KernelFit()
+    decode_experts: KernelFit = KernelFit()
+    prefill_matmul: KernelFit = KernelFit()
+    prefill_attention: KernelFit = KernelFit()
+    prefill_experts: KernelFit = KernelFit()
+    small: KernelFit = KernelFit()
+
+
+KERNEL_FAMILIES = tuple(f.name for f in fields(Kernels))
 
 
 def _rounded(value):
@@ -58,6 +83,7 @@ class GPU:
     copy_latency_s: float                 # fixed cost of one async copy before bytes flow
     graph_node_overhead_s: float          # one kernel node replayed from a CUDA graph
     kernel_launch_s: float                # host time of one kernel launch (or copy) issued from Python
+    kernels: Kernels = Kernels()          # this project's kernels measured on this GPU (default: the roofline)
 
     @property
     def usable_bytes(self) -> int:
@@ -81,7 +107,11 @@ class Profile:
     @property
     def fingerprint(self) -> str:
         """Hash of the figures (not of the file's text): reformatting a profile keeps its plans valid."""
-        figures = {"gpus": [asdict(g) for g in self.gpus], "host": asdict(self.host)}
+        gpus = [asdict(g) for g in self.gpus]
+        for figures in gpus:        # an uncalibrated profile keeps the fingerprint it had before calibration
+            if figures["kernels"] == asdict(Kernels()):
+                del figures["kernels"]
+        figures = {"gpus": gpus, "host": asdict(self.host)}
         # '0.98 us' and '980 ns' differ in the last bit of a float: hash 12 significant digits
         text = json.dumps(_rounded(figures), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -139,7 +169,7 @@ def parse_profile(document, source: str, default_name: str = "profile") -> Profi
 def _parse_gpu(doc, source: str, where: str) -> GPU:
     if not isinstance(doc, dict):
         raise StratumError("expected a mapping of GPU fields", source=source, field=where)
-    _refuse_unknown(doc, set(_GPU_FIELDS) | {"name"}, source, where + ".")
+    _refuse_unknown(doc, set(_GPU_FIELDS) | {"name", "kernels"}, source, where + ".")
     v = _parse_fields(doc, _GPU_FIELDS, source, where + ".")
     if v["reserved"] >= v["vram"]:
         raise StratumError("must be smaller than vram", source=source, field=where + ".reserved")
@@ -150,7 +180,28 @@ def _parse_gpu(doc, source: str, where: str) -> GPU:
                memory_bandwidth_bytes_per_s=v["memory_bandwidth"], fp32_flops=v["fp32"], fp16_flops=v["fp16"],
                host_to_device_bytes_per_s=v["host_to_device"], device_to_host_bytes_per_s=v["device_to_host"],
                zero_copy_read_bytes_per_s=v["zero_copy_read"], copy_latency_s=v["copy_latency"],
-               graph_node_overhead_s=v["graph_node_overhead"], kernel_launch_s=v["kernel_launch"])
+               graph_node_overhead_s=v["graph_node_overhead"], kernel_launch_s=v["kernel_launch"],
+               kernels=_parse_kernels(doc.get("kernels", {}), source, where + ".kernels"))
+
+
+def _parse_kernels(doc, source: str, where: str) -> Kernels:
+    """`kernels: {family: {efficiency: 0.58, latency: 7 us}, ...}`; a family left out keeps the roofline."""
+    if not isinstance(doc, dict):
+        raise StratumError("expected a mapping of kernel families", source=source, field=where)
+    _refuse_unknown(doc, set(KERNEL_FAMILIES), source, where + ".")
+    fits = {}
+    for family, fit in doc.items():
+        at = f"{where}.{family}"
+        if not isinstance(fit, dict):
+            raise StratumError("expected a mapping with efficiency and latency", source=source, field=at)
+        _refuse_unknown(fit, {"efficiency", "latency"}, source, at + ".")
+        efficiency = fit.get("efficiency", 1.0)
+        if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
+            raise StratumError("must be a fraction of the roofline in (0, 1], such as 0.58", source=source,
+                               field=at + ".efficiency")
+        latency = parse_seconds(fit["latency"], source=source, field=at + ".latency") if "latency" in fit else 0.0
+        fits[family] = KernelFit(float(efficiency), latency)
+    return Kernels(**fits)
 
 
 def _parse_fields(doc: dict, fields: dict, source: str, prefix: str) -> dict:

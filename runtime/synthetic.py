@@ -29,6 +29,7 @@ from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
+import yaml
 from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType as T
 
@@ -38,6 +39,7 @@ from planner.architecture import (EXPERT_ROLES, METADATA_KEYS, SUPPORTED_ARCHITE
                                   tensor_layer, tensor_layout, tensor_role)
 from planner.errors import StratumError
 from planner.model import load_model
+from plans import MODELS_DIR
 
 # shape keyword -> (metadata keys without the '<arch>.' prefix, GGUF value kind), from the planner's own table
 # (head_dim sets K's and V's; block_count and nextn_predict_layers come from n_trunk and nextn)
@@ -360,3 +362,21 @@ def _offset_scale(n_expert: int, k: int, gating: str) -> float:
         middle = (low + high) / 2
         low, high = (middle, high) if share(middle) < target else (low, middle)
     return (low + high) / 2
+
+
+CARD = "qwen3-30b-a3b-q8_0"     # the realistic shape benchmarks and calibration build
+
+
+def reduced_card(layers: int, folder: Path, card_name: str = CARD, types: str | None = None,
+                 metadata: dict | None = None) -> Path:
+    """The bundled card with `layers` trunk blocks (and its NextN blocks), every matrix in `types` if given,
+    `metadata` changed."""
+    card = yaml.safe_load((MODELS_DIR / f"{card_name}.yaml").read_text())
+    card["name"] = f"{card_name}-{layers}-blocks" + (f"-{types}" if types else "")
+    card["metadata"].update(metadata or {})
+    card["metadata"]["block_count"] = layers + card["metadata"].get("nextn_predict_layers", 0)
+    if types:
+        card["types"], card["overrides"] = {"default": types}, []
+    path = folder / f"{card['name']}.yaml"
+    path.write_text(yaml.safe_dump(card))
+    return path

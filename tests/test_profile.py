@@ -114,9 +114,9 @@ def test_multi_gpu_profile(tmp_path):
 
 def test_multi_gpu_error_names_the_device(tmp_path):
     doc = copy.deepcopy(DOC)
-    doc["gpus"].append({k: v for k, v in GPU.items() if k != "fp16"})
+    doc["gpus"].append({k: v for k, v in GPU.items() if k != "fp32"})
     message = refused(write(tmp_path, doc))
-    assert "gpus[1].fp16" in message and "missing" in message
+    assert "gpus[1].fp32" in message and "missing" in message
 
 
 # --- refusals ---------------------------------------------------------------------------------------------------
@@ -270,3 +270,50 @@ def test_with_vram_emulates_a_small_card():
     assert gpu.usable_bytes == 8 * 2**30 - h200.gpus[0].reserved_bytes
     assert gpu.host_to_device_bytes_per_s == h200.gpus[0].host_to_device_bytes_per_s
     assert small.fingerprint != h200.fingerprint
+
+
+# --- kernel calibration -----------------------------------------------------------------------------------------
+
+def test_kernel_calibration_reads_back_and_a_family_left_out_is_the_roofline(tmp_path, rng):
+    efficiency, latency_us = round(float(rng.uniform(0.05, 1.0)), 3), round(float(rng.uniform(0.5, 20.0)), 2)
+    calibrated = load_profile(write(tmp_path, variant(
+        kernels={"decode_matmul": {"efficiency": efficiency, "latency": f"{latency_us} us"}}), "calibrated.yaml"))
+    kernels = calibrated.gpus[0].kernels
+    assert kernels.decode_matmul.efficiency == efficiency
+    assert kernels.decode_matmul.latency_s == pytest.approx(latency_us * 1e-6)
+    assert (kernels.small.efficiency, kernels.small.latency_s) == (1.0, 0.0)
+    plain = load_profile(write(tmp_path, DOC, "plain.yaml"))
+    roofline = load_profile(write(tmp_path, variant(kernels={"small": {"efficiency": 1, "latency": "0 us"}}),
+                                  "roofline.yaml"))
+    assert roofline.fingerprint == plain.fingerprint != calibrated.fingerprint
+
+
+def test_fp16_defaults_to_fp32(tmp_path):
+    gpu = load_profile(write(tmp_path, variant(fp16=None))).gpus[0]
+    assert gpu.fp16_flops == gpu.fp32_flops
+
+
+@pytest.mark.parametrize("kernels, field, says", [
+    ({"decode_matmul": {"efficiency": 0}}, "kernels.decode_matmul.efficiency", "(0, 1]"),
+    ({"decode_matmul": {"efficiency": 1.5}}, "kernels.decode_matmul.efficiency", "(0, 1]"),
+    ({"decode_matmul": {"efficiency": "fast"}}, "kernels.decode_matmul.efficiency", "(0, 1]"),
+    ({"decode_matmull": {"efficiency": 0.5}}, "kernels.decode_matmull", "unknown field"),
+    ({"small": {"latency": 4}}, "kernels.small.latency", "duration"),
+    ({"small": 0.5}, "kernels.small", "mapping"),
+])
+def test_bad_kernel_calibration_is_refused(tmp_path, kernels, field, says):
+    message = refused(write(tmp_path, variant(kernels=kernels)))
+    assert field in message and says in message
+
+
+def test_slower_kernels_predict_slower_decode(tmp_path):
+    """The cost model prices what the profile's calibration says: a decode matmul at half the roofline plus
+    20 us a kernel predicts slower decode than the roofline, and nothing else of the plan's sizing changes."""
+    from planner.search import solve
+
+    plain = write(tmp_path, DOC, "plain.yaml")
+    slow = write(tmp_path, variant(kernels={"decode_matmul": {"efficiency": 0.5, "latency": "20 us"}}), "slow.yaml")
+    fast_plan, slow_plan = (solve(path, "qwen3-30b-a3b-q8_0", context=4096) for path in (plain, slow))
+    fast_decode, slow_decode = ([row["tok_s"] for row in plan.predictions["decode"]] for plan in (fast_plan, slow_plan))
+    assert all(slow < fast for slow, fast in zip(slow_decode, fast_decode, strict=True))
+    assert slow_plan.predictions["prefill"] == fast_plan.predictions["prefill"]

@@ -1,23 +1,23 @@
 """The ceilings every kernel figure is a fraction of, measured in the same run, and a GPU timer.
 
-    python benchmarks/ceilings.py      # prints the device's read bandwidth and FP32 peak
+    python -m runtime.ceilings      # prints the device's read bandwidth and FP32 peak
 
   read_bandwidth_bytes_per_s(): a grid-stride kernel summing 4 GiB of device memory with 16-byte-per-thread
       unrolled 32-bit loads (DEVICE.md measured 3.68 TB/s on the H200 this way);
-  pinned_copy_bytes_per_s(), zero_copy_read_bytes_per_s(): the host links, copied and read in place;
-  graph_seconds(): kernels timed as a replayed CUDA graph;
+  pinned_copy_bytes_per_s(), zero_copy_read_bytes_per_s(): the host links, copied (either way) and read in
+      place; copy_latency_s(): one small pinned copy's fixed cost;
+  graph_seconds(): kernels timed as a replayed CUDA graph; graph_node_overhead_s(): one empty node's cost there;
   kernel_launch_s(): host time to issue one kernel from Python (`launch_kernel`);
   fp32_peak_flops(): kernels of independent FMA chains in registers (2 FLOPs per FMA), the best shape;
   fp32_datasheet_flops(): SMs x 128 lanes x 2 x clock, what the datasheet's 67 TFLOP/s means.
 """
 
 import subprocess
+import time
 
 import numpy as np
 
-import time
-
-from codegen.lower.cuda import CapturedGraph, cuda, launch_kernel, mapped_filled
+from codegen.lower.cuda import CapturedGraph, copy_rows, cuda, launch_kernel, mapped_filled
 
 READ_BYTES = 4 << 30
 FMA_STEPS = 2048
@@ -98,12 +98,42 @@ def graph_seconds(enqueues, repeats: int = 10) -> float:
         graph.close()
 
 
-def pinned_copy_bytes_per_s(nbytes: int = 1 << 30) -> float:
-    """Host-to-device copy bandwidth from page-locked memory (what streams experts through the ring)."""
+def pinned_copy_bytes_per_s(nbytes: int = 1 << 30, to_device: bool = True) -> float:
+    """Copy bandwidth between page-locked host memory and the device (host to device streams experts through
+    the ring; device to host writes K/V pages to their host copy)."""
     host = cuda.pinned_array(nbytes, np.uint8)
     host[:] = 1
     device = cuda.device_array(nbytes, np.uint8)
-    return nbytes / time_s(lambda: device.copy_to_device(host), repeats=5, warmup=1)
+    copy = (lambda: device.copy_to_device(host)) if to_device else (lambda: device.copy_to_host(host))
+    return nbytes / time_s(copy, repeats=5, warmup=1)
+
+
+def copy_latency_s(copies: int = 200, nbytes: int = 4096) -> float:
+    """Seconds per 4 KiB pinned host-to-device copy issued back to back (`copy_rows`, one driver call each):
+    a copy's fixed cost before its bytes flow, submission included."""
+    host = cuda.pinned_array((copies, nbytes), np.uint8)
+    host[:] = 1
+    device = cuda.device_array((copies, nbytes), np.uint8)
+    stream = cuda.stream()
+    copy_rows(device, 0, host, 0, 1, stream)
+    stream.synchronize()
+    started = time.perf_counter()
+    for row in range(copies):
+        copy_rows(device, row, host, row, 1, stream)
+    stream.synchronize()
+    return (time.perf_counter() - started) / copies
+
+
+@cuda.jit
+def _empty_kernel(out):
+    if cuda.grid(1) == -1:      # never: only the launch is measured
+        out[0] = 0
+
+
+def graph_node_overhead_s(nodes: int = 400) -> float:
+    """Seconds per node of a replayed CUDA graph of empty kernels (what each decode kernel costs beyond its work)."""
+    out = cuda.device_array(1, np.float32)
+    return graph_seconds([lambda stream: launch_kernel(_empty_kernel, 1, 32, stream, out)] * nodes)
 
 
 def zero_copy_read_bytes_per_s(nbytes: int = 1 << 30) -> float:
@@ -159,8 +189,10 @@ def fp32_datasheet_flops() -> float:
 
 def main():
     print(f"device read bandwidth: {read_bandwidth_bytes_per_s() / 1e12:.2f} TB/s")
-    print(f"pinned host -> device: {pinned_copy_bytes_per_s() / 1e9:.1f} GB/s; zero-copy read "
-          f"{zero_copy_read_bytes_per_s() / 1e9:.1f} GB/s")
+    print(f"pinned host -> device: {pinned_copy_bytes_per_s() / 1e9:.1f} GB/s, device -> host "
+          f"{pinned_copy_bytes_per_s(to_device=False) / 1e9:.1f} GB/s; zero-copy read "
+          f"{zero_copy_read_bytes_per_s() / 1e9:.1f} GB/s; a 4 KiB copy {copy_latency_s() * 1e6:.1f} us")
+    print(f"graph node: {graph_node_overhead_s() * 1e6:.2f} us")
     print(f"kernel launch from Python: {kernel_launch_s() * 1e6:.1f} us")
     print(f"FP32 peak (FMA):       {fp32_peak_flops() / 1e12:.1f} TFLOP/s measured, "
           f"{fp32_datasheet_flops() / 1e12:.1f} TFLOP/s datasheet (SMs x 128 x 2 x max SM clock)")

@@ -1,0 +1,84 @@
+"""Estimate against reality (issue 6): the planner's predicted prefill and decode tok/s beside the measured ones,
+and the device memory the engine took beside the plan's bytes, for a Qwen3-30B-A3B-shaped model at Q8_0
+(random weights with skewed routing, `runtime.synthetic.realistic_weights`) under six memory budgets and three
+prompt lengths, on this machine's GPU.
+
+    NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/validate.py --profile detected.yaml [--layers 6] [--json out.json]
+
+The profile is this machine's, as `stratum profile --detect` wrote it (its links and kernel calibration); each
+budget is that profile with less VRAM, scaled by layers / 48 as `benchmarks/e2e.py` does, so a budget holds
+the same share of the model as the full card would. "allocated - plan" is what the engine's start took from
+the device beyond the plan's bytes (the CUDA context is taken before it: 0 means exactly the plan).
+"""
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from benchmarks.e2e import CONTEXT, measure_links, print_table, run_plan
+from codegen.lower.cuda import cuda
+from planner.units import parse_bytes
+from runtime.synthetic import CARD, realistic_weights, reduced_card
+
+BUDGETS_GB = (8, 12, 16, 24, 48, 141)
+PROMPTS = (512, 2048, 4096)
+TRUNK_BLOCKS = 48
+
+
+def budget_profile(detected: Path, budget_gb: int, layers: int, folder: Path) -> Path:
+    """The detected profile with `budget_gb` of VRAM (the whole card's), scaled to `layers` of the 48 blocks."""
+    document = yaml.safe_load(detected.read_text())
+    for gpu in document["gpus"]:
+        reserved, vram = parse_bytes(gpu["reserved"]), parse_bytes(gpu["vram"])
+        usable = min(vram - reserved, budget_gb * 10 ** 9 - reserved) if budget_gb < 141 else vram - reserved
+        gpu["vram"] = f"{reserved + usable * layers // TRUNK_BLOCKS if budget_gb < 141 else vram} B"
+    document["name"] = f"{document.get('name', 'detected')}-{budget_gb}gb-{layers}-blocks"
+    path = folder / f"{document['name']}.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", required=True, help="this machine's profile (stratum profile --detect)")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS_GB))
+    parser.add_argument("--prompts", type=int, nargs="+", default=list(PROMPTS))
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    ceilings, _ = measure_links()
+    rng = np.random.default_rng(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        card = reduced_card(args.layers, folder)
+        started = time.perf_counter()
+        tensors = list(realistic_weights(card, seed=1, skew=1.0))
+        print(f"weights built in {time.perf_counter() - started:.0f} s")
+        for budget in args.budgets:
+            profile = budget_profile(Path(args.profile), budget, args.layers, folder)
+            for prompt in args.prompts:
+                row = run_plan(f"{budget} GB", profile, card, tensors, ceilings, prompt, args.new_tokens, rng)
+                rows.append({"budget": f"{budget} GB", "prompt": prompt, **{k: v for k, v in row.items()
+                                                                               if k != "plan"}})
+                cuda.current_context().deallocations.clear()
+                print_table(rows[-1:])
+    print(f"\n{CARD} shape, {args.layers} blocks, context {CONTEXT}, {args.new_tokens} new tokens, K/V f16, "
+          f"profile {args.profile}")
+    print_table(rows)
+    errors = [abs(row[key]) for row in rows for key in ("prefill error", "decode error")]
+    print(f"\npredictions within 10%: {sum(e <= 0.10 for e in errors)} of {len(errors)}; median error "
+          f"{np.median(errors):.0%}, worst {max(errors):.0%}; allocation beyond the plan: "
+          f"{max(row['allocated - plan MiB'] for row in rows):+.0f} MiB at most")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Calibration: how this project's kernels run on this GPU, one fit per kernel family (`planner.profile.Kernels`).
+
+A Qwen3-30B-A3B-shaped model at Q8_0 with a few blocks (random weights with skewed routing, built in memory)
+reads a prompt under a plan that keeps every expert in VRAM. Then every node of its decode step and of a
+prefill chunk is timed between events while a spinning kernel holds the GPU, so the nodes run back to back as
+in a replayed graph; the events' own cost (the summed node times less the step replayed without events, per
+node) is taken off each decode node. Each node's roofline is the cost model's (`codegen.cost.node_roofline_s`
+at the measured bandwidth and FP32 peak), and a family's fit is the latency and efficiency that give its nodes'
+times best (least squares on relative error): time = latency + roofline / efficiency.
+"""
+
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from codegen.cost import kernel_family, node_roofline_s
+from codegen.lower.cuda import CapturedGraph, cuda
+from planner.profile import GPU, KERNEL_FAMILIES, KernelFit, Kernels
+from planner.search import solve
+from planner.workload import Workload
+from runtime.ceilings import time_s
+from runtime.synthetic import realistic_weights, reduced_card
+
+CALIBRATION_BLOCKS = 2
+PROMPT_TOKENS = 1024
+CHUNK_TOKENS = 512
+REPEATS = 15
+
+
+@cuda.jit
+def _spin(microseconds):
+    for _ in range(microseconds):
+        cuda.nanosleep(1000)
+
+
+def node_times_s(steps, stream, repeats: int, spin_us: int) -> np.ndarray:
+    """[repeats, steps] seconds of each step, queued behind a `spin_us` spinning kernel and timed between events."""
+    events = [cuda.event() for _ in range(len(steps) + 1)]
+    times = np.empty((repeats, len(steps)))
+    for r in range(repeats):
+        _spin[1, 1, stream](spin_us)
+        events[0].record(stream)
+        for step, after in zip(steps, events[1:]):
+            step.run(stream)
+            after.record(stream)
+        stream.synchronize()
+        times[r] = [cuda.event_elapsed_time(a, b) / 1e3 for a, b in zip(events, events[1:])]
+    return times
+
+
+def replay_s(steps, stream, repeats: int) -> float:
+    """The steps captured as one graph, replayed without events."""
+    graph = CapturedGraph(lambda s: [step.run(s) for step in steps], stream)
+    try:
+        return time_s(lambda: graph.replay(stream), repeats=repeats, warmup=2)
+    finally:
+        graph.close()
+
+
+def fit(rooflines_s, times_s) -> KernelFit:
+    """The latency and efficiency minimising the relative error of latency + roofline / efficiency against
+    the measured times, with latency >= 0 and efficiency in (0, 1]."""
+    roof, measured = np.asarray(rooflines_s, float), np.asarray(times_s, float)
+    weight = 1.0 / measured
+    solve_both = np.linalg.lstsq(np.column_stack([weight, roof * weight]), np.ones_like(measured), rcond=None)[0]
+    latency, inverse = solve_both
+    if inverse < 1.0:          # no faster than the roofline: efficiency 1, the rest is latency
+        inverse = 1.0
+        latency = np.sum(weight * (measured - roof) * weight) / np.sum(weight * weight)
+    if latency < 0:            # no negative latency: the roofline scaled alone
+        latency = 0.0
+        inverse = max(1.0, np.sum(roof * weight * weight * measured) / np.sum((roof * weight) ** 2))
+    return KernelFit(efficiency=float(1.0 / inverse), latency_s=float(max(latency, 0.0)))
+
+
+def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
+    """Kernels fitted on this GPU, and the samples behind them: (family, node, roofline s, measured s).
+    `profile_path` is a profile of this machine with its measured figures (used to plan the calibration model);
+    `gpu` the same figures, against which rooflines are taken."""
+    from runtime.engine import Engine       # the engine imports the planner and every kernel: only when run
+
+    samples = []
+    with tempfile.TemporaryDirectory() as folder:
+        card = reduced_card(CALIBRATION_BLOCKS, Path(folder))
+        workload = Workload(prompts=((PROMPT_TOKENS, 1.0),), decode_tokens=8)
+        plan = solve(profile_path, card, context=2 * PROMPT_TOKENS, kv="f16", workload=workload,
+                     pins={"chunk_tokens": CHUNK_TOKENS})
+        note(f"calibration model: {card.stem}, a prompt of {PROMPT_TOKENS} tokens in chunks of {CHUNK_TOKENS}")
+        rng = np.random.default_rng(0)
+        with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine:
+            if engine.experts.n_cache < engine.experts.n_expert * len(engine.experts.blocks):
+                raise RuntimeError("the calibration model's experts do not all fit in VRAM on this GPU")
+            engine.generate(rng.integers(0, engine.hp.n_vocab, size=PROMPT_TOKENS).tolist(), 2)
+            for kind, tokens in (("decode", 1), ("prefill", CHUNK_TOKENS)):
+                program = engine._program(kind, tokens)
+                steps = program.steps
+                times = np.median(node_times_s(steps, engine.compute, REPEATS, 20000 if kind == "decode" else 200000),
+                                  axis=0)
+                if kind == "decode":    # the events' cost, spread over the nodes
+                    times = np.maximum(times - (times.sum() - replay_s(steps, engine.compute, REPEATS)) / len(steps),
+                                       1e-7)
+                context = PROMPT_TOKENS + (1 if kind == "decode" else 0)
+                decode = kind == "decode"
+                for step, measured in zip(steps, times):
+                    node = program.graph.nodes[step.name]
+                    family = kernel_family(node, decode)
+                    samples.append((family, step.name, node_roofline_s(program.graph, step.name, gpu, engine.model,
+                                                                       context), float(measured)))
+                note(f"{kind}: {len(steps)} nodes timed, {times.sum() * 1e3:.2f} ms")
+    by_family = defaultdict(list)
+    for family, _, roof, measured in samples:
+        by_family[family].append((roof, measured))
+    fits = {family: fit(*zip(*by_family[family])) for family in KERNEL_FAMILIES if by_family[family]}
+    return Kernels(**fits), samples

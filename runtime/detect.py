@@ -1,0 +1,83 @@
+"""`stratum profile --detect`: measure this machine's GPU and write a hardware profile (plans/hardware/SCHEMA.md).
+
+Measured, with a line of progress each: free and total device memory (`reserved` is what is not free, plus a
+margin for the modules this project loads), device read bandwidth, the FP32 FMA peak numba code reaches, pinned
+copies each way, a kernel reading mapped host memory (zero-copy), one small copy's latency, a graph node's
+overhead and a kernel launch from Python (`runtime.ceilings`); then the calibration of this project's kernel
+families (`runtime.calibrate`). The profile is written with every figure and how it was measured; a second run
+on the same machine gives figures within a few percent (BENCHMARKS.md shows two).
+"""
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from codegen.lower.cuda import SIMULATOR, cuda, device_name
+from planner.errors import StratumError
+from planner.profile import KERNEL_FAMILIES, load_profile
+from runtime import ceilings
+
+MODULE_MARGIN_BYTES = 512 << 20    # kernel modules, graphs and fragmentation after the context's own use
+PINNED_SHARE = 0.75                # of host RAM that the profile lets stratum page-lock
+
+
+def detect(path: Path, name: str | None = None, calibrate: bool = True, note=print) -> Path:
+    """Measure this GPU (device 0) and write its profile to `path`; returns the path."""
+    if SIMULATOR or not cuda.is_available():
+        raise StratumError("--detect measures a real NVIDIA GPU, and none is usable here"
+                           + (" (NUMBA_ENABLE_CUDASIM=1 selects the simulator)" if SIMULATOR else
+                              " (no CUDA driver or device)"))
+    gpu_name = device_name()
+    started = time.perf_counter()
+    free_bytes, total_bytes = cuda.current_context().get_memory_info()
+    note(f"{gpu_name}: {total_bytes / 2**30:.1f} GiB, {free_bytes / 2**30:.1f} GiB free")
+    figures = {}
+    for field, what, measure, unit, scale in (
+            ("memory_bandwidth", "device read bandwidth", ceilings.read_bandwidth_bytes_per_s, "GB/s", 1e9),
+            ("fp32", "FP32 FMA peak", ceilings.fp32_peak_flops, "TFLOPS", 1e12),
+            ("host_to_device", "pinned copy, host to device", ceilings.pinned_copy_bytes_per_s, "GB/s", 1e9),
+            ("device_to_host", "pinned copy, device to host",
+             lambda: ceilings.pinned_copy_bytes_per_s(to_device=False), "GB/s", 1e9),
+            ("zero_copy_read", "a kernel reading mapped host memory", ceilings.zero_copy_read_bytes_per_s, "GB/s", 1e9),
+            ("copy_latency", "a 4 KiB pinned copy", ceilings.copy_latency_s, "us", 1e-6),
+            ("graph_node_overhead", "a CUDA graph's empty node", ceilings.graph_node_overhead_s, "us", 1e-6),
+            ("kernel_launch", "a kernel launched from Python", ceilings.kernel_launch_s, "us", 1e-6)):
+        value = measure() / scale
+        figures[field] = f"{value:.4g} {unit}"
+        note(f"  {what}: {figures[field]}")
+    ram_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    reserved_bytes = min(total_bytes - (1 << 20), total_bytes - free_bytes + MODULE_MARGIN_BYTES)
+    document = {
+        "name": name or path.stem,
+        "description": f"{gpu_name}, measured by stratum profile --detect on {time.strftime('%Y-%m-%d')}: "
+                       "every figure is this machine's, the kernels block this project's kernels on it.",
+        "gpus": [{"name": gpu_name, "vram": f"{total_bytes} B", "reserved": f"{reserved_bytes} B", **figures}],
+        "host": {"ram": f"{ram_bytes} B", "pinned_budget": f"{int(ram_bytes * PINNED_SHARE)} B"},
+    }
+    _write(path, document)
+    if calibrate:
+        from runtime.calibrate import calibrate as fit_kernels
+        note("calibrating this project's kernels (a Qwen3-30B-A3B-shaped model of 2 blocks; the first run "
+             "compiles its kernels, a minute or two)")
+        with tempfile.TemporaryDirectory() as folder:
+            measured = Path(folder) / "measured.yaml"
+            _write(measured, document)
+            kernels, _ = fit_kernels(measured, load_profile(measured).gpus[0], note=note)
+        document["gpus"][0]["kernels"] = {
+            family: {"efficiency": round(getattr(kernels, family).efficiency, 3),
+                     "latency": f"{getattr(kernels, family).latency_s * 1e6:.3g} us"} for family in KERNEL_FAMILIES}
+        for family, fit in document["gpus"][0]["kernels"].items():
+            note(f"  {family}: {fit['efficiency']:.0%} of the roofline + {fit['latency']}")
+        _write(path, document)
+    load_profile(path)      # what was written reads back
+    note(f"wrote {path} in {time.perf_counter() - started:.0f} s")
+    return path
+
+
+def _write(path: Path, document: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# written by stratum profile --detect; fields: plans/hardware/SCHEMA.md\n"
+                    + yaml.safe_dump(document, sort_keys=False, width=110))
