@@ -24,8 +24,8 @@ from runtime.ceilings import time_s
 from runtime.synthetic import realistic_weights, reduced_card
 
 CALIBRATION_BLOCKS = 2
-PROMPT_TOKENS = 1024
-CHUNK_TOKENS = 512
+CHUNK_TOKENS = 2048
+SHORT_CHUNK_TOKENS = 512     # prefill nodes timed at two sizes: a fit needs two to tell latency from efficiency
 REPEATS = 15
 
 
@@ -84,33 +84,41 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
     samples = []
     with tempfile.TemporaryDirectory() as folder:
         card = reduced_card(CALIBRATION_BLOCKS, Path(folder))
-        workload = Workload(prompts=((PROMPT_TOKENS, 1.0),), decode_tokens=8)
-        plan = solve(profile_path, card, context=2 * PROMPT_TOKENS, kv="f16", workload=workload,
+        workload = Workload(prompts=((CHUNK_TOKENS, 1.0),), decode_tokens=8)
+        plan = solve(profile_path, card, context=4 * CHUNK_TOKENS, kv="f16", workload=workload,
                      pins={"chunk_tokens": CHUNK_TOKENS})
-        note(f"calibration model: {card.stem}, a prompt of {PROMPT_TOKENS} tokens in chunks of {CHUNK_TOKENS}")
+        note(f"calibration model: {card.stem}, prompts of {CHUNK_TOKENS} and {CHUNK_TOKENS + SHORT_CHUNK_TOKENS} "
+             f"tokens in chunks of {CHUNK_TOKENS}")
         rng = np.random.default_rng(0)
         with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine:
             if engine.experts.n_cache < engine.experts.n_expert * len(engine.experts.blocks):
                 raise RuntimeError("the calibration model's experts do not all fit in VRAM on this GPU")
-            engine.generate(rng.integers(0, engine.hp.n_vocab, size=PROMPT_TOKENS).tolist(), 2)
-            for kind, tokens in (("decode", 1), ("prefill", CHUNK_TOKENS)):
-                program = engine._program(kind, tokens)
-                steps = program.steps
-                times = np.median(node_times_s(steps, engine.compute, REPEATS, 20000 if kind == "decode" else 200000),
-                                  axis=0)
-                if kind == "decode":    # the events' cost, spread over the nodes
-                    times = np.maximum(times - (times.sum() - replay_s(steps, engine.compute, REPEATS)) / len(steps),
-                                       1e-7)
-                context = PROMPT_TOKENS + (1 if kind == "decode" else 0)
-                decode = kind == "decode"
-                for step, measured in zip(steps, times):
-                    node = program.graph.nodes[step.name]
-                    family = kernel_family(node, decode)
-                    samples.append((family, step.name, node_roofline_s(program.graph, step.name, gpu, engine.model,
-                                                                       context), float(measured)))
-                note(f"{kind}: {len(steps)} nodes timed, {times.sum() * 1e3:.2f} ms")
+            vocab = engine.hp.n_vocab
+            # each pass is timed right after a request ran it: passes share the arena, so another pass's
+            # activations would overwrite its inputs (token ids)
+            for kind, tokens, prompt, new in (("prefill", CHUNK_TOKENS, CHUNK_TOKENS, 1),
+                                              ("prefill", SHORT_CHUNK_TOKENS, CHUNK_TOKENS + SHORT_CHUNK_TOKENS, 1),
+                                              ("decode", 1, CHUNK_TOKENS, 2)):
+                engine.generate(rng.integers(0, vocab, size=prompt).tolist(), new)
+                samples.extend(_timed(engine, gpu, kind, tokens, prompt))
     by_family = defaultdict(list)
     for family, _, roof, measured in samples:
         by_family[family].append((roof, measured))
     fits = {family: fit(*zip(*by_family[family])) for family in KERNEL_FAMILIES if by_family[family]}
+    for family, fitted in fits.items():
+        note(f"  {family}: {len(by_family[family])} nodes, {fitted.efficiency:.0%} of the roofline + "
+             f"{fitted.latency_s * 1e6:.3g} us")
     return Kernels(**fits), samples
+
+
+def _timed(engine, gpu: GPU, kind: str, tokens: int, context: int) -> list:
+    """(family, node, roofline s, measured s) of every node of the engine's `kind` pass over `tokens` rows."""
+    program = engine._program(kind, tokens)
+    steps = program.steps
+    decode = kind == "decode"
+    times = np.median(node_times_s(steps, engine.compute, REPEATS, 20000 if decode else 200000), axis=0)
+    if decode:      # the events' cost, spread over the nodes (a prefill node's is negligible)
+        times = np.maximum(times - (times.sum() - replay_s(steps, engine.compute, REPEATS)) / len(steps), 1e-7)
+    return [(kernel_family(program.graph.nodes[step.name], decode), step.name,
+             node_roofline_s(program.graph, step.name, gpu, engine.model, context + decode), float(measured))
+            for step, measured in zip(steps, times)]

@@ -69,8 +69,6 @@ def detect(path: Path, name: str | None = None, calibrate: bool = True, note=pri
         document["gpus"][0]["kernels"] = {
             family: {"efficiency": round(getattr(kernels, family).efficiency, 3),
                      "latency": f"{getattr(kernels, family).latency_s * 1e6:.3g} us"} for family in KERNEL_FAMILIES}
-        for family, fit in document["gpus"][0]["kernels"].items():
-            note(f"  {family}: {fit['efficiency']:.0%} of the roofline + {fit['latency']}")
         _write(path, document)
     load_profile(path)      # what was written reads back
     note(f"wrote {path} in {time.perf_counter() - started:.0f} s")
