@@ -77,8 +77,10 @@ def nearest(rows: list, key: str, value: int) -> dict:
     return min(rows, key=lambda row: abs(row[key] - value))
 
 
-def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, rng, host_profile=0):
-    workload = Workload(prompts=((prompt_tokens, 1.0),), decode_tokens=new_tokens)
+def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, rng, host_profile=0, histogram=None):
+    """One plan's engine: a warm-up request, then the measured one. histogram: a traced expert popularity
+    to plan with (the planner's hit-rate curve and the cache's first experts), else the default skew."""
+    workload = Workload(prompts=((prompt_tokens, 1.0),), decode_tokens=new_tokens, histogram=histogram)
     plan = solve(profile, card, context=CONTEXT, kv="f16", workload=workload)
     model = load_model(card)
     started = time.perf_counter()
@@ -119,6 +121,7 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
         "prefill tok/s": prefill_tok_s, "prefill floor": floor_prefill_s / out.prefill_s if streamed else None,
         "prefill predicted": predicted_prefill, "prefill error": predicted_prefill / prefill_tok_s - 1,
         "decode tok/s": decode_tok_s, "of floor": floor_decode_s / step_s, "hit rate": hit,
+        "hit predicted": plan.predictions["expert_hit_rate"],
         "decode predicted": predicted_decode, "decode error": predicted_decode / decode_tok_s - 1,
         "python overhead": 1 - graph_s / step_s, "first token s": out.first_token_s,
     }
@@ -134,7 +137,8 @@ def print_table(rows: list) -> None:
             value = row[key]
             if value is None:
                 cells.append("-")
-            elif key in ("prefill floor", "of floor", "hit rate", "prefill error", "decode error", "python overhead"):
+            elif key in ("prefill floor", "of floor", "hit rate", "hit predicted", "prefill error", "decode error",
+                         "python overhead"):
                 cells.append(f"{value:+.0%}" if "error" in key else f"{value:.0%}")
             elif isinstance(value, float):
                 cells.append(f"{value:.3g}" if value < 100 else f"{value:.0f}")

@@ -9,6 +9,11 @@ The profile is this machine's, as `stratum profile --detect` wrote it (its links
 budget is that profile with less VRAM, scaled by layers / 48 as `benchmarks/e2e.py` does, so a budget holds
 the same share of the model as the full card would. "allocated - plan" is what the engine's start took from
 the device beyond the plan's bytes (the CUDA context is taken before it: 0 means exactly the plan).
+
+First a resident engine serves a set of prompts and traces their routing (`Engine.trace`); every plan is then
+solved from that trace's histogram (its hit-rate curve, and the experts its cache starts with) and measured on
+other prompts, so "hit predicted" beside "hit rate" is a trace's prediction tested on a different prompt set.
+`--no-trace` plans with the default Zipf skew instead.
 """
 
 import argparse
@@ -22,7 +27,10 @@ import yaml
 
 from benchmarks.e2e import CONTEXT, measure_links, print_table, run_plan
 from codegen.lower.cuda import cuda
+from planner.search import solve
 from planner.units import parse_bytes
+from planner.workload import Workload
+from runtime.engine import Engine
 from runtime.synthetic import CARD, realistic_weights, reduced_card
 
 BUDGETS_GB = (8, 12, 16, 24, 48, 141)
@@ -43,6 +51,19 @@ def budget_profile(detected: Path, budget_gb: int, layers: int, folder: Path) ->
     return path
 
 
+def traced_histogram(profile: Path, card: Path, tensors, prompts: int, new_tokens: int, rng) -> tuple:
+    """The routing counts of `prompts` random prompts of 1024 tokens served by a resident engine."""
+    workload = Workload(prompts=((1024, 1.0),), decode_tokens=new_tokens)
+    plan = solve(profile, card, context=CONTEXT, kv="f16", workload=workload)
+    with Engine(plan, card, tensors=tensors, progress=False) as engine:
+        for _ in range(prompts):
+            engine.generate(rng.integers(0, engine.hp.n_vocab, size=1024).tolist(), new_tokens)
+        counts = engine.trace()["expert_popularity"]["histogram"]
+    cuda.current_context().deallocations.clear()
+    print(f"traced {prompts} prompts of 1024 tokens: {np.sum(counts):.0f} routings")
+    return tuple(map(tuple, counts))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", required=True, help="this machine's profile (stratum profile --detect)")
@@ -50,6 +71,8 @@ def main():
     parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS_GB))
     parser.add_argument("--prompts", type=int, nargs="+", default=list(PROMPTS))
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--trace-prompts", type=int, default=4, help="prompts of 1024 tokens the trace serves")
+    parser.add_argument("--no-trace", action="store_true", help="plan with the default skew, not a trace")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     ceilings, _ = measure_links()
@@ -61,10 +84,14 @@ def main():
         started = time.perf_counter()
         tensors = list(realistic_weights(card, seed=1, skew=1.0))
         print(f"weights built in {time.perf_counter() - started:.0f} s")
+        histogram = None if args.no_trace else traced_histogram(
+            budget_profile(Path(args.profile), 141, args.layers, folder), card, tensors, args.trace_prompts,
+            args.new_tokens, rng)
         for budget in args.budgets:
             profile = budget_profile(Path(args.profile), budget, args.layers, folder)
             for prompt in args.prompts:
-                row = run_plan(f"{budget} GB", profile, card, tensors, ceilings, prompt, args.new_tokens, rng)
+                row = run_plan(f"{budget} GB", profile, card, tensors, ceilings, prompt, args.new_tokens, rng,
+                               histogram=histogram)
                 rows.append({"budget": f"{budget} GB", "prompt": prompt, **{k: v for k, v in row.items()
                                                                                if k != "plan"}})
                 cuda.current_context().deallocations.clear()
@@ -73,6 +100,10 @@ def main():
           f"profile {args.profile}")
     print_table(rows)
     errors = [abs(row[key]) for row in rows for key in ("prefill error", "decode error")]
+    hits = [(row["hit predicted"], row["hit rate"]) for row in rows if 0 < row["hit predicted"] < 1]
+    if hits:
+        print(f"hit rate with a partial cache: predicted {', '.join(f'{p:.0%}' for p, _ in hits)}; measured "
+              f"{', '.join(f'{m:.0%}' for _, m in hits)}")
     print(f"\npredictions within 10%: {sum(e <= 0.10 for e in errors)} of {len(errors)}; median error "
           f"{np.median(errors):.0%}, worst {max(errors):.0%}; allocation beyond the plan: "
           f"{max(row['allocated - plan MiB'] for row in rows):+.0f} MiB at most")

@@ -49,7 +49,7 @@ def assemble(problem: Problem, knobs: Knobs) -> Plan:
                                "decode_tokens": wl.decode_tokens, "reused_prefix": wl.reused_prefix,
                                "draft_acceptance": wl.draft_acceptance, "drafter_window": wl.drafter_window,
                                "expert_popularity": {"skew": wl.skew} if wl.histogram is None else
-                               {"histogram": "given"}},
+                               {"histogram": np.asarray(wl.histogram).tolist()}},
                   "host_pinned_bytes": host_bytes(problem)},
         devices=devices, knobs=plan_knobs, predictions=predictions(problem, knobs),
         binding=binding(problem, knobs, devices), explanations=explanations(problem, knobs))

@@ -101,7 +101,8 @@ class Engine:
                               self.knobs["page_tokens"], settings["context_tokens"], self.progress)
         self.experts = ExpertStore(self.arena, self.tables, self.moe_blocks, self._expert_shapes(),
                                    self.model.slot_layout, self.knobs["expert_cache_slots"][0],
-                                   self.knobs["prefill_ring_slots"], self.refresh_steps)
+                                   self.knobs["prefill_ring_slots"], self.refresh_steps,
+                                   self._traced_popularity(settings))
         self.drafter = None
         if self._has_drafter():
             self.drafter = Drafter(self.arena, self.tables, self.kv, self.hp, self.knobs, settings["context_tokens"],
@@ -544,6 +545,12 @@ class Engine:
                 "room_requests": e.room_requests, "room_lend_s": round(e.room_lend_s, 4),
                 "device_bytes": self.arena.nbytes, "kernels": kernel_counts(), **self._draft_stats(),
                 "last_request": dict(t.last)}
+
+    @staticmethod
+    def _traced_popularity(settings: dict):
+        """The routing counts the plan was solved from (a traced workload's histogram), or None."""
+        histogram = settings["workload"].get("expert_popularity", {}).get("histogram")
+        return histogram if isinstance(histogram, list) else None
 
     def trace(self) -> dict:
         """The requests served so far as a workload document (`planner.workload`): their prompt lengths, tokens

@@ -36,6 +36,7 @@ from planner.errors import StratumError
 
 MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 REFRESH_STEPS = 16
+PRIOR_ROUTINGS = 1024   # a traced histogram counts as this many of a block's decode routings (~128 tokens at k 8)
 
 
 @dataclass
@@ -55,10 +56,12 @@ class ExpertStats:
 
 class ExpertStore:
     def __init__(self, arena, tables: dict, moe_blocks: list, shapes: dict, layout, cache_slots: int,
-                 ring_slots: int, refresh_steps: int = REFRESH_STEPS):
+                 ring_slots: int, refresh_steps: int = REFRESH_STEPS, popularity=None):
         """shapes: matrix -> (ggml type, (n_expert, rows, cols)), the same in every block and the drafter's
         (checked by the caller); layout: the model's `SlotLayout`; tables: name -> int32 device table
-        (`planner.layout.table_sizes`)."""
+        (`planner.layout.table_sizes`); popularity: [block, expert] routing counts of a trace (the plan's
+        workload histogram) or None: the cache starts with each block's most routed experts and the frequency
+        policy counts the trace as PRIOR_ROUTINGS routings; without one, it starts with the lowest ids."""
         self.refresh_steps = refresh_steps
         self.blocks = list(moe_blocks)
         self.n_expert = shapes[MATRICES[0]][1][0]
@@ -76,8 +79,14 @@ class ExpertStore:
         self.slots = {m: self._slot_weight(m, t, shape) for m, (t, shape) in shapes.items()}
         self.drafter_host = {}          # matrix -> (data, scales or None): pinned, what closing the room copies
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
-        # block -> {expert: slot}: the cache starts with each block's lowest ids
-        self.resident = {b: {e: int(starts[i]) + e for e in range(counts[i])} for i, b in enumerate(self.blocks)}
+        prior = np.zeros((len(self.blocks), self.n_expert))
+        if popularity is not None:
+            popularity = np.broadcast_to(np.asarray(popularity, np.float64), prior.shape)
+            prior = popularity * (PRIOR_ROUTINGS / np.maximum(popularity.sum(axis=1, keepdims=True), 1e-300))
+        # block -> {expert: slot}: the most routed first (ties, and no trace: the lowest ids)
+        ranking = np.argsort(-prior, axis=1, kind="stable")
+        self.resident = {b: {int(e): int(starts[i]) + j for j, e in enumerate(ranking[i, :counts[i]])}
+                         for i, b in enumerate(self.blocks)}
         self.needs_host = any(c < self.n_expert for c in counts)
         self.host = {}
         # the host copy: (block, matrix) -> its mapped arrays (data, scales or None), the sources of copies
@@ -85,7 +94,7 @@ class ExpertStore:
         self.host_arrays = {}
         self.decode_tables = {b: tables[f"blk.{b}.decode_slots"] for b in self.blocks}
         self.prefill_tables = {b: tables[f"blk.{b}.prefill_slots"] for b in self.blocks}
-        self.counts = np.zeros((len(self.blocks), self.n_expert), np.int64)    # decode's routings so far
+        self.counts = prior.copy()      # decode's routings so far, after the trace's prior
         self.routed = np.zeros((len(self.blocks), self.n_expert), np.int64)    # every pass's, for traces
         # what a decode step reads from a slot: `resident`, less the experts a pending refresh copies in
         self.cached = np.zeros((len(self.blocks), self.n_expert), bool)

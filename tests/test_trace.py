@@ -2,7 +2,6 @@
 the planner reads: the prompts' lengths, the tokens generated, and every MoE block's routing counts."""
 
 import numpy as np
-import pytest
 
 from planner.cli import main
 from planner.search import solve
@@ -28,7 +27,37 @@ def test_a_trace_counts_every_routing_and_the_planner_plans_for_it(tmp_path, rng
     # every prompt token and every decode step (one a request: its second token) routes K experts a block
     assert histogram.shape == (1, 8) and histogram.sum() == K * (sum(map(len, prompts)) + len(prompts))
     plan = solve(profile, model, context=256, workload=workload)
-    assert plan.settings["workload"]["expert_popularity"] == {"histogram": "given"}
+    assert np.array_equal(plan.settings["workload"]["expert_popularity"]["histogram"], histogram)
+
+
+def test_a_traced_plan_starts_the_cache_with_the_most_routed_experts(tmp_path, rng):
+    """A plan solved from a histogram (the plan records it) fills a 5-slot cache with the histogram's 5 most
+    routed experts, not the lowest ids, and counts it as the frequency policy's prior; placement changes
+    where an expert is read from, never a logit."""
+    from planner.workload import Workload
+    from runtime.engine import Engine
+    from runtime.experts import PRIOR_ROUTINGS
+
+    model = write_model(tmp_path / "qwen.gguf", "qwen3moe", seed=4, n_trunk=1)
+    profile = write_profile(tmp_path, 560)
+    counts = rng.permutation(8) + 1.0               # distinct counts: the hottest five are one set
+    traced = solve(profile, model, context=256, workload=Workload(prompts=((8, 1.0),), decode_tokens=3,
+                                                                  histogram=tuple(counts)))
+    untraced = solve(profile, model, context=256, workload=Workload(prompts=((8, 1.0),), decode_tokens=3))
+    assert traced.knobs["expert_cache_slots"] == untraced.knobs["expert_cache_slots"] == [5]
+    prompt = rng.integers(0, 128, size=8).tolist()
+    outputs = []
+    for plan, expected in ((traced, set(np.argsort(-counts)[:5].tolist())), (untraced, set(range(5)))):
+        with Engine(plan, model, progress=False) as engine:
+            (block,) = engine.experts.blocks
+            assert set(engine.experts.resident[block]) == expected
+            table = engine.experts.decode_tables[block].copy_to_host()
+            assert set(np.flatnonzero(table >= 0).tolist()) == expected
+            outputs.append(engine.generate(prompt, max_new_tokens=3, return_logits=True))
+        if plan is traced:
+            assert PRIOR_ROUTINGS <= engine.experts.counts[0].sum() <= PRIOR_ROUTINGS + 3 * K
+    assert outputs[0].tokens == outputs[1].tokens
+    assert np.array_equal(outputs[0].logits, outputs[1].logits)
 
 
 def test_trace_refuses_bad_prompts_in_one_line(tmp_path, capsys):
