@@ -27,9 +27,11 @@ import yaml
 
 from benchmarks.e2e import CONTEXT, measure_links, print_table, run_plan
 from codegen.lower.cuda import cuda
+from planner.profile import load_profile
 from planner.search import solve
 from planner.units import parse_bytes
 from planner.workload import Workload
+from runtime.calibrate import by_family, timed_nodes
 from runtime.engine import Engine
 from runtime.synthetic import CARD, realistic_weights, reduced_card
 
@@ -53,15 +55,32 @@ def budget_profile(detected: Path, budget_gb: int, layers: int, folder: Path) ->
 
 def traced_histogram(profile: Path, card: Path, tensors, prompts: int, new_tokens: int, rng) -> tuple:
     """The routing counts of `prompts` random prompts of 1024 tokens served by a resident engine."""
-    workload = Workload(prompts=((1024, 1.0),), decode_tokens=new_tokens)
+    workload = Workload(prompts=((2048, 1.0),), decode_tokens=new_tokens)
     plan = solve(profile, card, context=CONTEXT, kv="f16", workload=workload)
     with Engine(plan, card, tensors=tensors, progress=False) as engine:
         for _ in range(prompts):
             engine.generate(rng.integers(0, engine.hp.n_vocab, size=1024).tolist(), new_tokens)
         counts = engine.trace()["expert_popularity"]["histogram"]
+        compare_prefill(engine, profile, rng)
     cuda.current_context().deallocations.clear()
     print(f"traced {prompts} prompts of 1024 tokens: {np.sum(counts):.0f} routings")
     return tuple(map(tuple, counts))
+
+
+def compare_prefill(engine, profile: Path, rng) -> None:
+    """The engine's prefill of one chunk against the profile's calibration, node family by family (GPU time
+    between events), and its wall time: where the prediction of a resident prefill parts from it."""
+    chunk = engine.chunk_tokens
+    for _ in range(2):
+        out = engine.generate(rng.integers(0, engine.hp.n_vocab, size=chunk).tolist(), 1)
+    gpu = load_profile(profile).gpus[0]
+    timed = timed_nodes(engine, gpu, "prefill", chunk, chunk)
+    print(f"prefill of {chunk} tokens (one chunk), resident: {out.prefill_s * 1e3:.1f} ms wall, nodes' GPU time "
+          f"{sum(t[3] for t in timed) * 1e3:.1f} ms")
+    print("| family | measured ms | calibration ms |")
+    print("| --- | ---: | ---: |")
+    for family, (measured, fitted) in sorted(by_family(timed, gpu.kernels).items()):
+        print(f"| {family} | {measured * 1e3:.2f} | {fitted * 1e3:.2f} |")
 
 
 def main():

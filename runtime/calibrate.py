@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from codegen.cost import kernel_family, node_roofline_s
+from codegen.cost import fitted_s, kernel_family, node_roofline_s
 from codegen.lower.cuda import CapturedGraph, cuda
 from planner.profile import GPU, KERNEL_FAMILIES, KernelFit, Kernels
 from planner.search import solve
@@ -24,7 +24,7 @@ from planner.workload import Workload
 from runtime.ceilings import time_s
 from runtime.synthetic import realistic_weights, reduced_card
 
-CALIBRATION_BLOCKS = 2
+CALIBRATION_BLOCKS = 4     # their dense weights (~80 MB) overflow the 50 MB L2 of an H100/H200 between runs
 CHUNK_TOKENS = 2048
 SHORT_CHUNK_TOKENS = 512     # prefill nodes timed at two sizes: a fit needs two to tell latency from efficiency
 REPEATS = 15
@@ -101,8 +101,10 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
                                       ("decode", CHUNK_TOKENS, 2)):
                 for _ in range(2):      # the second request's wall time: the pass is lowered by then
                     out = engine.generate(rng.integers(0, vocab, size=tokens).tolist(), new)
-                timed = _timed(engine, gpu, kind, 1 if kind == "decode" else tokens, tokens)
+                timed = timed_nodes(engine, gpu, kind, 1 if kind == "decode" else tokens, tokens)
                 if kind == "prefill":
+                    note(f"  prefill of {tokens} tokens: {out.prefill_s * 1e3:.1f} ms, its nodes' GPU time "
+                         f"{sum(t[3] for t in timed) * 1e3:.1f} ms")
                     timed = _with_host_waits(timed, out.prefill_s)
                 samples.extend(timed)
     by_family = defaultdict(list)
@@ -125,7 +127,7 @@ def _with_host_waits(timed: list, wall_s: float) -> list:
             for i, (family, name, roof, measured) in enumerate(timed)]
 
 
-def _timed(engine, gpu: GPU, kind: str, tokens: int, context: int) -> list:
+def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int) -> list:
     """(family, node, roofline s, measured s) of every node of the engine's `kind` pass over `tokens` rows."""
     program = engine._program(kind, tokens)
     steps = program.steps
@@ -136,3 +138,13 @@ def _timed(engine, gpu: GPU, kind: str, tokens: int, context: int) -> list:
     return [(kernel_family(program.graph.nodes[step.name], decode), step.name,
              node_roofline_s(program.graph, step.name, gpu, engine.model, context + decode), float(measured))
             for step, measured in zip(steps, times)]
+
+
+def by_family(timed: list, kernels: Kernels) -> dict:
+    """family -> (measured s, the calibration's s) summed over `timed_nodes`' rows: where a pass's prediction
+    and its measurement part."""
+    totals = defaultdict(lambda: [0.0, 0.0])
+    for family, _name, roof, measured in timed:
+        totals[family][0] += measured
+        totals[family][1] += fitted_s(getattr(kernels, family), roof)
+    return {family: tuple(pair) for family, pair in totals.items()}

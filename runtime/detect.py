@@ -60,7 +60,7 @@ def detect(path: Path, name: str | None = None, calibrate: bool = True, note=pri
     _write(path, document)
     if calibrate:
         from runtime.calibrate import calibrate as fit_kernels
-        note("calibrating this project's kernels (a Qwen3-30B-A3B-shaped model of 2 blocks; the first run "
+        note("calibrating this project's kernels (a Qwen3-30B-A3B-shaped model of 4 blocks; the first run "
              "compiles its kernels, a minute or two)")
         with tempfile.TemporaryDirectory() as folder:
             measured = Path(folder) / "measured.yaml"

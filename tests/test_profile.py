@@ -281,9 +281,9 @@ def test_kernel_calibration_reads_back_and_a_family_left_out_is_the_roofline(tmp
     kernels = calibrated.gpus[0].kernels
     assert kernels.decode_matmul.efficiency == efficiency
     assert kernels.decode_matmul.latency_s == pytest.approx(latency_us * 1e-6)
-    assert (kernels.small.efficiency, kernels.small.latency_s) == (1.0, 0.0)
+    assert (kernels.decode_small.efficiency, kernels.decode_small.latency_s) == (1.0, 0.0)
     plain = load_profile(write(tmp_path, DOC, "plain.yaml"))
-    roofline = load_profile(write(tmp_path, variant(kernels={"small": {"efficiency": 1, "latency": "0 us"}}),
+    roofline = load_profile(write(tmp_path, variant(kernels={"prefill_small": {"efficiency": 1, "latency": "0 us"}}),
                                   "roofline.yaml"))
     assert roofline.fingerprint == plain.fingerprint != calibrated.fingerprint
 
@@ -298,8 +298,8 @@ def test_fp16_defaults_to_fp32(tmp_path):
     ({"decode_matmul": {"efficiency": 1.5}}, "kernels.decode_matmul.efficiency", "(0, 1]"),
     ({"decode_matmul": {"efficiency": "fast"}}, "kernels.decode_matmul.efficiency", "(0, 1]"),
     ({"decode_matmull": {"efficiency": 0.5}}, "kernels.decode_matmull", "unknown field"),
-    ({"small": {"latency": 4}}, "kernels.small.latency", "duration"),
-    ({"small": 0.5}, "kernels.small", "mapping"),
+    ({"decode_small": {"latency": 4}}, "kernels.decode_small.latency", "duration"),
+    ({"prefill_small": 0.5}, "kernels.prefill_small", "mapping"),
 ])
 def test_bad_kernel_calibration_is_refused(tmp_path, kernels, field, says):
     message = refused(write(tmp_path, variant(kernels=kernels)))
