@@ -46,14 +46,17 @@ class KernelFit:
 class Kernels:
     """The calibration `stratum profile --detect` measures (`runtime.detect`): one fit per kernel family. The
     decode families serve windows of 1..8 rows (memory-bound), the prefill families chunks (compute-bound);
-    `*_small` is every other kernel (norms, RoPE, adds, top-k, K/V store, embedding, argmax)."""
+    `*_grouping` is the routed pairs' grouping by expert (one thread block: it follows no roofline), `*_small`
+    every other kernel (norms, RoPE, adds, top-k, K/V store, embedding, argmax)."""
     decode_matmul: KernelFit = KernelFit()
     decode_attention: KernelFit = KernelFit()
     decode_experts: KernelFit = KernelFit()
+    decode_grouping: KernelFit = KernelFit()
     decode_small: KernelFit = KernelFit()
     prefill_matmul: KernelFit = KernelFit()
     prefill_attention: KernelFit = KernelFit()
     prefill_experts: KernelFit = KernelFit()
+    prefill_grouping: KernelFit = KernelFit()
     prefill_small: KernelFit = KernelFit()
 
 
