@@ -13,42 +13,21 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.ceilings import read_bandwidth_bytes_per_s, time_s
 from benchmarks.e2e import CONTEXT
-from runtime.synthetic import reduced_card
-from codegen.lower.cuda import CapturedGraph, cuda, device_name
+from codegen.lower.cuda import device_name
 from planner.search import solve
 from planner.workload import Workload
+from runtime.calibrate import node_times_s, replay_s
+from runtime.ceilings import read_bandwidth_bytes_per_s
 from runtime.engine import Engine
-from runtime.synthetic import realistic_weights
-
-
-@cuda.jit
-def _spin(microseconds):
-    for _ in range(microseconds):
-        cuda.nanosleep(1000)
+from runtime.synthetic import realistic_weights, reduced_card
 
 
 def node_times_us(engine, repeats: int) -> tuple[list, np.ndarray, float]:
     """(steps, [repeats, nodes] microseconds, whole step's replay seconds without events)."""
-    program = engine._program("decode", 1)
-    steps, stream = program.steps, engine.compute
-    events = [cuda.event() for _ in range(len(steps) + 1)]
-    times = np.empty((repeats, len(steps)))
-    for r in range(repeats):
-        _spin[1, 1, stream](20000)
-        events[0].record(stream)
-        for step, after in zip(steps, events[1:]):
-            step.run(stream)
-            after.record(stream)
-        stream.synchronize()
-        times[r] = [cuda.event_elapsed_time(a, b) * 1e3 for a, b in zip(events, events[1:])]
-    plain = CapturedGraph(lambda s: [step.run(s) for step in steps], stream)
-    try:
-        whole_s = time_s(lambda: plain.replay(stream), repeats=repeats, warmup=2)
-    finally:
-        plain.close()
-    return steps, times, whole_s
+    steps = engine._program("decode", 1).steps
+    times = node_times_s(steps, engine.compute, repeats, 20000) * 1e6
+    return steps, times, replay_s(steps, engine.compute, repeats)
 
 
 def main():

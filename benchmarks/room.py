@@ -23,13 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.e2e import emulated_profile, measure_links
-from runtime.synthetic import reduced_card
 from codegen.lower.cuda import cuda
 from planner.model import load_model
 from planner.search import solve
 from planner.workload import Workload
 from runtime.engine import Engine
-from runtime.synthetic import realistic_weights
+from runtime.synthetic import realistic_weights, reduced_card
 
 CARD = "glm-4.5-air-q4_k_m"
 # 64 query heads, not the card's 96: the shape BENCHMARKS.md's table was measured on (the card's group of 12 query

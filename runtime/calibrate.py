@@ -5,9 +5,10 @@ reads prompts of one chunk (2048 and 512 tokens) under a plan that keeps every e
 every node of that pass (and, after the last, of a decode step) is timed between events while a spinning
 kernel holds the GPU, so the nodes run back to back as in a replayed graph; the events' own cost (the summed
 node times less the step replayed without events, per node) is taken off each decode node, and a prompt's wall
-time beyond its nodes' (prefill waits for the host once a MoE block) is added to its routed-expert nodes. Each node's roofline is the cost model's (`codegen.cost.node_roofline_s`
-at the measured bandwidth and FP32 peak), and a family's fit is the latency and efficiency that give its nodes'
-times best (least squares on relative error): time = latency + roofline / efficiency.
+time beyond its nodes' (prefill waits for the host once a MoE block) is added to its routed-expert nodes. Each
+node's roofline is the cost model's (`codegen.cost.node_roofline_s` at the measured bandwidth and FP32 peak),
+and a family's fit is the latency and efficiency that give its nodes' times best (least squares on relative
+error): time = latency + roofline / efficiency.
 """
 
 import tempfile
