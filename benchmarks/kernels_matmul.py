@@ -30,6 +30,7 @@ from runtime.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_byte
 from codegen.graph import moe_groups_length
 from codegen.lower import matmul, moe, weights
 from codegen.lower.cuda import cuda, device_name, mapped_filled
+from codegen.lower.word_formats import FORMATS
 from runtime import reference
 
 L2_DEFEAT_BYTES = 256 << 20     # weight copies a timed graph cycles through, at least
@@ -379,7 +380,7 @@ def decode_sweep(rng, bandwidth):
     """The decode kernel's free parameters (lanes per row group, rows per group, chunks in flight) at one
     token, Q8_0, beside the choice `matmul.decode_shape` makes."""
     rows = []
-    fmt = matmul.FORMATS[T.Q8_0]
+    fmt = FORMATS[T.Q8_0]
     placeholder = cuda.to_device(np.zeros(1, np.float32))
     for n_out, n_in in [(4096, 4096), (12288, 4096), (151936, 4096)]:
         packed = random_packed(rng, T.Q8_0, (n_out, n_in))

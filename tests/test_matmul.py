@@ -11,6 +11,7 @@ from gguf.constants import GGMLQuantizationType as T
 from codegen.graph import moe_groups_length
 from codegen.lower import MAX_WINDOW, matmul, moe, weights
 from codegen.lower.cuda import cuda, mapped_filled
+from codegen.lower.word_formats import FORMATS
 from runtime import reference
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0]
@@ -113,7 +114,7 @@ def test_decode_rows_do_not_depend_on_rows_per_group_or_chunks_in_flight(rng):
     packed, w, _ = packed_weight(rng, T.Q8_0, (n_out, n_in))
     data, scales = matmul.words(w)
     x = cuda.to_device(activations(rng, 3, n_in))
-    base = matmul.decode_shape(matmul.FORMATS[T.Q8_0], n_in, n_out, 3)
+    base = matmul.decode_shape(FORMATS[T.Q8_0], n_in, n_out, 3)
     results = []
     for nr, unroll in [(1, 1), (2, 2), (8, 1), (3, 2)]:
         out = cuda.to_device(np.full((3, n_out), np.nan, np.float32))

@@ -3,6 +3,7 @@
 Modules (each kernel's reference is the same-named function in `runtime.reference`):
   cuda        the only import of numba.cuda (the capability shim)
   weights     GGUF tensors repacked into kernel layouts, the same bytes; upload to the device
+  word_formats  a packed weight's 32-bit words decoded to float32, per type (what the matmul cores read)
   matmul      dense matmuls (bias fused), SwiGLU gate/up, routed experts grouped by expert (prefill and
               decode families)
   kv_pages    the K/V pages: layout (the planner's bytes), element formats, the store (f16, q8_0, q4_0, mixes)

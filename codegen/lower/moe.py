@@ -44,8 +44,9 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower.cuda import cuda, launch_kernel
-from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, FORMATS, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
+from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
                                   check, check_aligned, decode_core, prefill_core, silu, window_rows, words)
+from codegen.lower.word_formats import FORMATS
 
 GROUP_THREADS = 1024    # at most, for make_moe_groups: (expert, segment) items, one thread each
 GROUP_SEGMENT_PAIRS = 512   # pairs per segment, at least: few pairs (decode) get one segment, one thread each
