@@ -42,6 +42,15 @@ from runtime.synthetic import CARD, realistic_weights, reduced_card
 CONTEXT = 8192
 
 
+def built_weights(layers: int, folder: Path) -> tuple:
+    """(the card with `layers` blocks, its realistic weights): built once, loaded by every plan a run measures."""
+    card = reduced_card(layers, folder)
+    started = time.perf_counter()
+    tensors = list(realistic_weights(card, seed=1, skew=1.0))
+    print(f"weights built in {time.perf_counter() - started:.0f} s")
+    return card, tensors
+
+
 def emulated_profile(name: str, measured: dict, layers: int, folder: Path, card_name: str = CARD,
                      extra_bytes: int = 0) -> Path:
     """The card's VRAM on the H200: every other GPU figure the H200 profile's, with its links as measured in
@@ -177,10 +186,7 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        card = reduced_card(args.layers, folder)
-        started = time.perf_counter()
-        tensors = list(realistic_weights(card, seed=1, skew=1.0))      # built once, loaded by every plan
-        print(f"weights built in {time.perf_counter() - started:.0f} s")
+        card, tensors = built_weights(args.layers, folder)
         for name in args.plans:
             profile = name if name == "h200-141g" else emulated_profile(name, measured_links, args.layers, folder)
             rows.append(run_plan(name, profile, card, tensors, ceilings, args.prompt_tokens, args.new_tokens, rng,

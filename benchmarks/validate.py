@@ -19,13 +19,12 @@ other prompts, so "hit predicted" beside "hit rate" is a trace's prediction test
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-from benchmarks.e2e import CONTEXT, measure_links, print_table, run_plan
+from benchmarks.e2e import CONTEXT, built_weights, measure_links, print_table, run_plan
 from codegen.lower.cuda import cuda
 from planner.profile import load_profile
 from planner.search import solve
@@ -33,7 +32,7 @@ from planner.units import parse_bytes
 from planner.workload import Workload
 from runtime.calibrate import by_family, timed_nodes
 from runtime.engine import Engine
-from runtime.synthetic import CARD, realistic_weights, reduced_card
+from runtime.synthetic import CARD
 
 BUDGETS_GB = (8, 12, 16, 24, 48, 141)
 PROMPTS = (512, 2048, 4096)
@@ -41,12 +40,14 @@ TRUNK_BLOCKS = 48
 
 
 def budget_profile(detected: Path, budget_gb: int, layers: int, folder: Path) -> Path:
-    """The detected profile with `budget_gb` of VRAM (the whole card's), scaled to `layers` of the 48 blocks."""
+    """The detected profile with `budget_gb` of VRAM (the whole card's), its usable part scaled to `layers` of
+    the 48 blocks; 141 GB and above: the detected card as it is."""
     document = yaml.safe_load(detected.read_text())
     for gpu in document["gpus"]:
         reserved, vram = parse_bytes(gpu["reserved"]), parse_bytes(gpu["vram"])
-        usable = min(vram - reserved, budget_gb * 10 ** 9 - reserved) if budget_gb < 141 else vram - reserved
-        gpu["vram"] = f"{reserved + usable * layers // TRUNK_BLOCKS if budget_gb < 141 else vram} B"
+        if budget_gb < 141:
+            usable = min(vram, budget_gb * 10 ** 9) - reserved
+            gpu["vram"] = f"{reserved + usable * layers // TRUNK_BLOCKS} B"
     document["name"] = f"{document.get('name', 'detected')}-{budget_gb}gb-{layers}-blocks"
     path = folder / f"{document['name']}.yaml"
     path.write_text(yaml.safe_dump(document))
@@ -99,10 +100,7 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        card = reduced_card(args.layers, folder)
-        started = time.perf_counter()
-        tensors = list(realistic_weights(card, seed=1, skew=1.0))
-        print(f"weights built in {time.perf_counter() - started:.0f} s")
+        card, tensors = built_weights(args.layers, folder)
         histogram = None if args.no_trace else traced_histogram(
             budget_profile(Path(args.profile), 141, args.layers, folder), card, tensors, args.trace_prompts,
             args.new_tokens, rng)
