@@ -2,7 +2,7 @@
 chunk size) for one small glm4moe with a NextN drafter, each run for a short prompt and a few decode steps. Every
 run must start (no out-of-memory), take no device memory beyond its plan, and give bitwise the logits of the
 reference layout (every expert resident, chunk 16, MTP off) of its K/V type: DESIGN.md's promise that a plan
-changes speed, never results. A budget the planner refuses is counted apart (a refusal names what does not
+changes speed, never results (an MTP plan drafts at a drawn depth 1-4, and must still give those logits). A budget the planner refuses is counted apart (a refusal names what does not
 fit; it is not a failure).
 
     NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/sweep.py --plans 100 [--kv f16 q8_0] [--log sweep.txt]
@@ -28,6 +28,7 @@ CONTEXTS = (128, 256, 512)
 CHUNKS = (8, 16, 32, 64)
 PROMPT_TOKENS = 40
 NEW_TOKENS = 4
+MAX_DRAFT_DEPTH = 4     # drafted depths 1..this on MTP plans
 RESIDENT_KIB = 64 * 1024      # the references: every expert resident
 
 
@@ -62,12 +63,13 @@ host:
     return path
 
 
-def run(plan, model, prompt) -> dict:
-    """One plan's engine: device memory it took beyond the plan, and its logits for the prompt and new tokens."""
+def run(plan, model, prompt, draft_depth: int = 0) -> dict:
+    """One plan's engine: device memory it took beyond the plan, and its logits for the prompt and new tokens
+    (drafted at `draft_depth`: 0 off)."""
     free_before = None if SIMULATOR else cuda.current_context().get_memory_info()[0]
     with Engine(plan, model, progress=False) as engine:
         taken = None if SIMULATOR else free_before - cuda.current_context().get_memory_info()[0]
-        out = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
+        out = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True, draft_depth=draft_depth)
     if not SIMULATOR:
         cuda.current_context().deallocations.clear()
     return {"beyond_plan": None if taken is None else taken - plan.device_bytes(0), "logits": out.logits,
@@ -119,10 +121,13 @@ def main():
                 continue
             ran += 1
             knobs = plan.knobs
+            # an MTP plan drafts at a drawn depth, whatever the planner chose (it predicts that drafting rarely
+            # pays for this model), so the sweep exercises drafting, not only the drafter's regions
+            depth = int(rng.integers(1, MAX_DRAFT_DEPTH + 1)) if mtp else 0
             layout = (f"cache {knobs['expert_cache_slots'][0]}, ring {knobs['prefill_ring_slots']}, "
-                      f"kv pages {knobs['kv_pages']}, depth {knobs['draft_depth']}")
+                      f"kv pages {knobs['kv_pages']}, depth {depth} (plan's {knobs['draft_depth']})")
             try:
-                result = run(plan, model, prompt)
+                result = run(plan, model, prompt, depth)
             except Exception as error:      # an OOM or any failure: the sweep's point is to see it
                 failures.append(f"{what}: {type(error).__name__}: {error}")
                 say(f"FAILED   {what} ({layout}): {type(error).__name__}: {str(error)[:200]}")

@@ -62,18 +62,19 @@ def replay_s(steps, stream, repeats: int) -> float:
 
 
 def fit(rooflines_s, times_s) -> KernelFit:
-    """The latency and efficiency minimising the relative error of latency + roofline / efficiency against
-    the measured times, with latency >= 0 and efficiency in (0, 1]."""
+    """The latency and efficiency of latency + roofline / efficiency that fit the measured times in least
+    squares, with latency >= 0 and efficiency in (0, 1]. Absolute, not relative, errors: with its intercept
+    the fit then gives the family's nodes their measured total (so does each constrained fallback), which is
+    what a pass's prediction adds up; a relative fit let a family's many small nodes pull the large ones'
+    times down (the 2048-token prefill priced 13% under the calibration's own measured wall, BENCHMARKS.md)."""
     roof, measured = np.asarray(rooflines_s, float), np.asarray(times_s, float)
-    weight = 1.0 / measured
-    solve_both = np.linalg.lstsq(np.column_stack([weight, roof * weight]), np.ones_like(measured), rcond=None)[0]
-    latency, inverse = solve_both
+    latency, inverse = np.linalg.lstsq(np.column_stack([np.ones_like(roof), roof]), measured, rcond=None)[0]
     if inverse < 1.0:          # no faster than the roofline: efficiency 1, the rest is latency
         inverse = 1.0
-        latency = np.sum(weight * (measured - roof) * weight) / np.sum(weight * weight)
-    if latency < 0:            # no negative latency: the roofline scaled alone
+        latency = float(np.mean(measured - roof))
+    if latency < 0:            # no negative latency: the roofline scaled alone, to the measured total
         latency = 0.0
-        inverse = max(1.0, np.sum(roof * weight * weight * measured) / np.sum((roof * weight) ** 2))
+        inverse = max(1.0, float(np.sum(measured) / np.sum(roof)))
     return KernelFit(efficiency=float(1.0 / inverse), latency_s=float(max(latency, 0.0)))
 
 

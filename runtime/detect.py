@@ -66,13 +66,18 @@ def detect(path: Path, name: str | None = None, calibrate: bool = True, note=pri
             measured = Path(folder) / "measured.yaml"
             _write(measured, document)
             kernels, _ = fit_kernels(measured, load_profile(measured).gpus[0], note=note)
-        document["gpus"][0]["kernels"] = {
-            family: {"efficiency": round(getattr(kernels, family).efficiency, 3),
-                     "latency": f"{getattr(kernels, family).latency_s * 1e6:.3g} us"} for family in KERNEL_FAMILIES}
+        document["gpus"][0]["kernels"] = kernels_document(kernels)
         _write(path, document)
     load_profile(path)      # what was written reads back
     note(f"wrote {path} in {time.perf_counter() - started:.0f} s")
     return path
+
+
+def kernels_document(kernels) -> dict:
+    """A profile's `kernels:` block: each family's fit to 3 significant digits (a kernel that follows no
+    roofline, such as the one-block grouping, fits far below 1%: rounded to decimals it would read as 0)."""
+    return {family: {"efficiency": float(f"{getattr(kernels, family).efficiency:.3g}"),
+                     "latency": f"{getattr(kernels, family).latency_s * 1e6:.3g} us"} for family in KERNEL_FAMILIES}
 
 
 def _write(path: Path, document: dict) -> None:

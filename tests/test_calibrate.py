@@ -1,8 +1,11 @@
 """The calibration's fit (runtime.calibrate.fit): what `stratum profile --detect` writes for a kernel family is
 the latency and efficiency its nodes' times say. The measuring itself needs a GPU (BENCHMARKS.md)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+import yaml
 
 from runtime.calibrate import fit
 
@@ -22,3 +25,28 @@ def test_fit_never_beats_the_roofline_or_goes_below_zero_latency(rng):
     scaled = fit(rooflines, rooflines / 0.25 - 1e-7)           # would need a negative latency
     assert scaled.latency_s == 0.0 and scaled.efficiency == pytest.approx(0.25, rel=0.05)
     assert np.isfinite(scaled.efficiency)
+
+
+def test_a_kernel_far_below_its_roofline_is_written_so_that_it_reads_back(rng):
+    """A one-block kernel's fit (the grouping's: ~1e-4 of its roofline) must survive the profile's writing:
+    rounded to 3 decimals it read back as 0, which the profile parser refuses."""
+    from planner.profile import Kernels, parse_profile
+    from runtime.detect import kernels_document
+    rooflines = rng.uniform(1e-8, 1e-7, size=6)
+    grouping = fit(rooflines, rooflines / 1.3e-4)
+    assert grouping.efficiency == pytest.approx(1.3e-4, rel=1e-6)
+    document = yaml.safe_load((Path(__file__).parents[1] / "plans/hardware/h200-141g.yaml").read_text())
+    document["gpus"][0]["kernels"] = kernels_document(Kernels(prefill_grouping=grouping))
+    profile = parse_profile(yaml.safe_load(yaml.safe_dump(document)), source="test")
+    assert profile.gpus[0].kernels.prefill_grouping.efficiency == pytest.approx(1.3e-4, rel=1e-2)
+
+
+def test_fit_gives_a_familys_nodes_their_measured_total(rng):
+    """Nodes of one family that follow no straight line (small ones dominated by launch cost, large ones a bit
+    below the roofline's pace): the fitted times still add up to the measured ones, what a pass's prediction
+    sums."""
+    rooflines = np.concatenate([rng.uniform(1e-6, 1e-5, size=30), rng.uniform(2e-4, 1e-3, size=6)])
+    measured = 2e-5 + rooflines / 0.7 + rng.uniform(0, 1e-5, size=rooflines.size) * (rooflines > 1e-4) ** 2
+    found = fit(rooflines, measured)
+    assert 0 < found.efficiency <= 1 and found.latency_s >= 0
+    assert np.sum(found.latency_s + rooflines / found.efficiency) == pytest.approx(np.sum(measured), rel=1e-9)
