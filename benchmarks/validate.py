@@ -55,33 +55,37 @@ def budget_profile(detected: Path, budget_gb: int, layers: int, folder: Path) ->
 
 
 def traced_histogram(profile: Path, card: Path, tensors, prompts: int, new_tokens: int, rng) -> tuple:
-    """The routing counts of `prompts` random prompts of 1024 tokens served by a resident engine."""
+    """(the routing counts of `prompts` random prompts of 1024 tokens served by a resident engine, the text
+    of `compare_prefill`'s table on that engine)."""
     workload = Workload(prompts=((2048, 1.0),), decode_tokens=new_tokens)
     plan = solve(profile, card, context=CONTEXT, kv="f16", workload=workload)
     with Engine(plan, card, tensors=tensors, progress=False) as engine:
         for _ in range(prompts):
             engine.generate(rng.integers(0, engine.hp.n_vocab, size=1024).tolist(), new_tokens)
         counts = engine.trace()["expert_popularity"]["histogram"]
-        compare_prefill(engine, profile, rng)
+        comparison = compare_prefill(engine, profile, rng)
     cuda.current_context().deallocations.clear()
     print(f"traced {prompts} prompts of 1024 tokens: {np.sum(counts):.0f} routings")
-    return tuple(map(tuple, counts))
+    return tuple(map(tuple, counts)), comparison
 
 
-def compare_prefill(engine, profile: Path, rng) -> None:
+def compare_prefill(engine, profile: Path, rng) -> str:
     """The engine's prefill of one chunk against the profile's calibration, node family by family (GPU time
-    between events), and its wall time: where the prediction of a resident prefill parts from it."""
+    between events), and its wall time: where the prediction of a resident prefill parts from it. Printed, and
+    returned as text (the summary repeats it)."""
     chunk = engine.chunk_tokens
     for _ in range(2):
         out = engine.generate(rng.integers(0, engine.hp.n_vocab, size=chunk).tolist(), 1)
     gpu = load_profile(profile).gpus[0]
     timed = timed_nodes(engine, gpu, "prefill", chunk, chunk)
-    print(f"prefill of {chunk} tokens (one chunk), resident: {out.prefill_s * 1e3:.1f} ms wall, nodes' GPU time "
-          f"{sum(t[3] for t in timed) * 1e3:.1f} ms")
-    print("| family | measured ms | calibration ms |")
-    print("| --- | ---: | ---: |")
-    for family, (measured, fitted) in sorted(by_family(timed, gpu.kernels).items()):
-        print(f"| {family} | {measured * 1e3:.2f} | {fitted * 1e3:.2f} |")
+    lines = [f"prefill of {chunk} tokens (one chunk), resident: {out.prefill_s * 1e3:.1f} ms wall, nodes' GPU "
+             f"time {sum(t[3] for t in timed) * 1e3:.1f} ms", "| family | measured ms | calibration ms |",
+             "| --- | ---: | ---: |"]
+    lines += [f"| {family} | {measured * 1e3:.2f} | {fitted * 1e3:.2f} |"
+              for family, (measured, fitted) in sorted(by_family(timed, gpu.kernels).items())]
+    text = "\n".join(lines)
+    print(text)
+    return text
 
 
 def main():
@@ -101,7 +105,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         card, tensors = built_weights(args.layers, folder)
-        histogram = None if args.no_trace else traced_histogram(
+        histogram, comparison = (None, None) if args.no_trace else traced_histogram(
             budget_profile(Path(args.profile), 141, args.layers, folder), card, tensors, args.trace_prompts,
             args.new_tokens, rng)
         for budget in args.budgets:
@@ -116,6 +120,8 @@ def main():
     print(f"\n{CARD} shape, {args.layers} blocks, context {CONTEXT}, {args.new_tokens} new tokens, K/V f16, "
           f"profile {args.profile}")
     print_table(rows)
+    if comparison:
+        print(f"\n{comparison}\n")
     errors = [abs(row[key]) for row in rows for key in ("prefill error", "decode error")]
     hits = [(row["hit predicted"], row["hit rate"]) for row in rows if 0 < row["hit predicted"] < 1]
     if hits:

@@ -129,7 +129,8 @@ def cmd_profile(args):
         raise StratumError("stratum profile writes this machine's hardware profile: give --detect (it measures "
                            "the GPU for a few minutes)")
     from runtime.detect import detect
-    detect(Path(args.output), name=args.name, calibrate=not args.no_calibrate)
+    detect(Path(args.output), name=args.name, calibrate=not args.no_calibrate,
+           samples=Path(args.samples) if args.samples else None)
 
 
 def cmd_models(args):
@@ -237,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="profile.yaml", help="the profile to write (default: profile.yaml)")
     p.add_argument("--name", help="the profile's name (default: the file's stem)")
     p.add_argument("--no-calibrate", action="store_true", help="skip the kernel calibration (its two minutes)")
+    p.add_argument("--samples", help="also write the calibration's timed nodes to this JSON file")
     p.set_defaults(run=cmd_profile)
     _add_engine_arguments(sub)
     return parser

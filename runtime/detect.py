@@ -8,6 +8,7 @@ families (`runtime.calibrate`). The profile is written with every figure and how
 on the same machine gives figures within a few percent (BENCHMARKS.md shows two).
 """
 
+import json
 import os
 import tempfile
 import time
@@ -24,8 +25,11 @@ MODULE_MARGIN_BYTES = 512 << 20    # kernel modules, graphs and fragmentation af
 PINNED_SHARE = 0.75                # of host RAM that the profile lets stratum page-lock
 
 
-def detect(path: Path, name: str | None = None, calibrate: bool = True, note=print) -> Path:
-    """Measure this GPU (device 0) and write its profile to `path`; returns the path."""
+def detect(path: Path, name: str | None = None, calibrate: bool = True, samples: Path | None = None,
+           note=print) -> Path:
+    """Measure this GPU (device 0) and write its profile to `path`; returns the path. `samples`: also write
+    the calibration's timed nodes there (JSON: family, node, roofline s, measured s), so its fits can be
+    examined or redone without the GPU."""
     if SIMULATOR or not cuda.is_available():
         raise StratumError("--detect measures a real NVIDIA GPU, and none is usable here"
                            + (" (NUMBA_ENABLE_CUDASIM=1 selects the simulator)" if SIMULATOR else
@@ -65,7 +69,11 @@ def detect(path: Path, name: str | None = None, calibrate: bool = True, note=pri
         with tempfile.TemporaryDirectory() as folder:
             measured = Path(folder) / "measured.yaml"
             _write(measured, document)
-            kernels, _ = fit_kernels(measured, load_profile(measured).gpus[0], note=note)
+            kernels, timed = fit_kernels(measured, load_profile(measured).gpus[0], note=note)
+        if samples is not None:
+            samples.parent.mkdir(parents=True, exist_ok=True)
+            samples.write_text(json.dumps([dict(zip(("family", "node", "roofline_s", "measured_s"), row))
+                                           for row in timed], indent=1))
         document["gpus"][0]["kernels"] = kernels_document(kernels)
         _write(path, document)
     load_profile(path)      # what was written reads back

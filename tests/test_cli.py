@@ -131,3 +131,12 @@ def test_planning_imports_no_numba(tmp_path):
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'numba_cuda', 'llvmlite')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_profile_detect_without_a_gpu_refuses_in_one_line_and_writes_nothing(tmp_path):
+    """CI has no GPU (the simulator is not one): the detect refuses before measuring, with its reason."""
+    profile, samples = tmp_path / "p.yaml", tmp_path / "samples.json"
+    result = run("profile", "--detect", "-o", profile, "--samples", samples)
+    assert result.returncode == 2
+    assert "--detect measures a real NVIDIA GPU" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not profile.exists() and not samples.exists()
