@@ -11,7 +11,9 @@
   each kernel from Python (`kernel_launch` in the profile), so a shallow ring's many small batches cost
   launches;
 - K/V ring: the last `resident` positions are in VRAM; attention over older ones streams them over the link;
-- MTP: a round drafts n tokens and verifies 1 + n in one window, yielding 1 + a + a^2 + ... + a^n tokens.
+- MTP: a round drafts n tokens and verifies 1 + n in one window, yielding 1 + a + a^2 + ... + a^n tokens;
+- the host: a decode window or draft step is one graph replay, but the engine's Python copies its inputs in
+  and its tokens out around it, a few `kernel_launch`es a pass (`WINDOW_HOST_CALLS`).
 
 Every function takes numpy arrays for the layout variables (cache slots, ring slots, resident tokens), so the
 solver prices thousands of candidate layouts in a few vector operations.
@@ -29,6 +31,13 @@ from planner.profile import GPU
 from planner.workload import Workload
 
 MAX_DRAFT_DEPTH = 4
+# Driver calls the engine (runtime.engine) makes from Python around each pass it replays, each priced at the
+# profile's `kernel_launch` (a launch or a copy issued from Python): a decode window copies its token ids and
+# positions in, launches its graph and copies its greedy tokens out, plus its hidden states with a drafter; a
+# draft step also copies its hidden state in and its own out. tests/test_engine.py counts them.
+WINDOW_HOST_CALLS = 4
+DRAFTER_WINDOW_HOST_CALLS = 1
+DRAFT_STEP_HOST_CALLS = 6
 CHUNK_SAMPLES = 8       # chunks priced per prompt; a longer prompt's chunks are sampled evenly and scaled
 
 
@@ -144,7 +153,12 @@ class DeviceCost:
                      + miss / g.zero_copy_read_bytes_per_s) / cost.expert_efficiency
         streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.host_to_device_bytes_per_s
         return (cost.dense_s(depth, resident) + streamed_kv + experts_s + len(self.moe_blocks) * cost.expert_compute_s
-                + cost.n_nodes * g.graph_node_overhead_s)
+                + cost.n_nodes * g.graph_node_overhead_s + self._host_calls_s(WINDOW_HOST_CALLS
+                                                                              + DRAFTER_WINDOW_HOST_CALLS * self.mtp))
+
+    def _host_calls_s(self, calls: int) -> float:
+        """The engine's Python calls around a pass, counted once: on the GPU that holds the head."""
+        return calls * self.gpu.kernel_launch_s if self.share.last else 0.0
 
     def draft_s(self, depth, window_tokens: int):
         """One MTP draft step: the NextN block (its experts live in VRAM) and the shared output head."""
@@ -155,7 +169,8 @@ class DeviceCost:
         drafter = self.model.drafter_expert_layers[0]
         experts_s = (self.model.hparams.n_expert_used * drafter.blob_bytes / self.gpu.memory_bandwidth_bytes_per_s
                      / cost.expert_efficiency)
-        return cost.dense_s(span, span) + experts_s + cost.expert_compute_s + cost.n_nodes * self.gpu.graph_node_overhead_s
+        return (cost.dense_s(span, span) + experts_s + cost.expert_compute_s + cost.n_nodes * self.gpu.graph_node_overhead_s
+                + self._host_calls_s(DRAFT_STEP_HOST_CALLS))
 
     # --- prefill ---------------------------------------------------------------------------------------
     def chunk_s(self, tokens: int, context, cache_slots, ring_slots, resident_tokens):

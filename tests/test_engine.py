@@ -10,8 +10,12 @@ import numpy as np
 import pytest
 
 from codegen.lower import cuda as shim
+from codegen.lower.cuda import CapturedGraph
 from planner.errors import StratumError
+from planner.predict import DRAFT_STEP_HOST_CALLS, DRAFTER_WINDOW_HOST_CALLS, WINDOW_HOST_CALLS
 from planner.search import solve
+from runtime import engine as engine_module
+from runtime import kv_ring as kv_ring_module
 from runtime import reference
 from runtime.engine import Engine
 from runtime.synthetic import write_model
@@ -283,10 +287,11 @@ def mtp_model(folder):
                        n_head_kv=1, n_expert=4)
 
 
-def test_greedy_tokens_with_drafting_are_bitwise_those_without(folder, tmp_path, rng):
+def test_greedy_tokens_with_drafting_are_bitwise_those_without(folder, tmp_path, rng, monkeypatch):
     """Drafts (depth 2) decide only how many tokens a verify window accepts: the tokens and every logit row are
     bitwise those of step-by-step decoding (the second request reuses the first's prompt, so it reads one
-    token), and the engine counts the drafts it checked."""
+    token), and the engine counts the drafts it checked. Then a decode window and a draft step make exactly
+    the Python driver calls the planner prices (planner.predict's *_HOST_CALLS)."""
     model = mtp_model(tmp_path)
     plan = solve(write_profile(folder, 2000), model, context=128, kv="f32", page_tokens=16)
     assert plan.settings["mtp"] and plan.knobs["drafter_kv_pages"] > 0
@@ -295,6 +300,21 @@ def test_greedy_tokens_with_drafting_are_bitwise_those_without(folder, tmp_path,
         plain = engine.generate(prompt, max_new_tokens=4, conversation="c", return_logits=True, draft_depth=0)
         drafted = engine.generate(prompt, max_new_tokens=4, conversation="c", return_logits=True, draft_depth=2)
         stats = engine.stats()
+        calls = []
+
+        def counted(function):
+            def call(*args, **kwargs):
+                calls.append(function.__name__)
+                return function(*args, **kwargs)
+            return call
+        for module in (engine_module, kv_ring_module):
+            monkeypatch.setattr(module, "copy_rows", counted(module.copy_rows))
+        monkeypatch.setattr(CapturedGraph, "replay", counted(CapturedGraph.replay))
+        engine._verify([plain.tokens[0]], len(prompt))          # pages already claimed: no table copy
+        assert len(calls) == WINDOW_HOST_CALLS + DRAFTER_WINDOW_HOST_CALLS, calls
+        calls.clear()
+        engine._draft(plain.tokens[0], len(prompt) - 1, 1)
+        assert len(calls) == DRAFT_STEP_HOST_CALLS, calls
     assert drafted.reused_tokens == len(prompt) - 1
     assert drafted.tokens == plain.tokens and np.array_equal(drafted.logits, plain.logits)
     assert stats["draft_windows"] >= 1 and stats["drafted_tokens"] >= 2       # the first window drafts 2
