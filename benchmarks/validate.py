@@ -97,7 +97,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--trace-prompts", type=int, default=4, help="prompts of 1024 tokens the trace serves")
     parser.add_argument("--no-trace", action="store_true", help="plan with the default skew, not a trace")
-    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--json", help="also write the rows here (and the trace's histogram beside them, .trace.json)")
     args = parser.parse_args()
     ceilings, _ = measure_links()
     rng = np.random.default_rng(0)
@@ -132,6 +132,9 @@ def main():
           f"{max(row['allocated - plan MiB'] for row in rows):+.0f} MiB at most")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+        if histogram is not None:       # the trace the plans were solved from: they can be re-planned offline
+            trace = Path(args.json).with_suffix(".trace.json")
+            trace.write_text(json.dumps({"expert_popularity": {"histogram": histogram}}))
 
 
 if __name__ == "__main__":
