@@ -103,9 +103,14 @@ def test_the_threshold_counts_read_tokens_and_a_stopped_request_leaves_the_room_
             chunks.append(program)
             run_prefill(program)
         monkeypatch.setattr(engine, "_run_prefill", stopped_after_one_chunk)
+        routed_before = engine.experts.routed.copy()
         with pytest.raises(KeyboardInterrupt):
             engine.generate(prompt, max_new_tokens=1)
-        assert engine.experts.room_open and engine.experts.room_written
+        # the chunk's batches fill the ring's slots first: the room's are written iff a block routes more
+        # experts than the ring holds (a random prompt's chunk of 8 usually does, not always)
+        chunk_experts = (engine.experts.routed - routed_before > 0).sum(axis=1)
+        assert engine.experts.room_open
+        assert engine.experts.room_written == bool((chunk_experts > plan.knobs["prefill_ring_slots"]).any())
         monkeypatch.setattr(engine, "_run_prefill", run_prefill)
         retried = engine.generate(prompt, max_new_tokens=1)
         assert not engine.experts.room_open and np.array_equal(drafter_slots(engine), loaded)
