@@ -2,8 +2,8 @@
 chunk size) for one small glm4moe with a NextN drafter, each run for a short prompt and a few decode steps. Every
 run must start (no out-of-memory), take no device memory beyond its plan, and give bitwise the logits of the
 reference layout (every expert resident, chunk 16, MTP off) of its K/V type: DESIGN.md's promise that a plan
-changes speed, never results (an MTP plan drafts at a drawn depth 1-4, and must still give those logits). A budget the planner refuses is counted apart (a refusal names what does not
-fit; it is not a failure).
+changes speed, never results (an MTP plan drafts at a drawn depth 1-4, and must still give those logits). A
+budget the planner refuses is counted apart (a refusal names what does not fit; it is not a failure).
 
     NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/sweep.py --plans 100 [--kv f16 q8_0] [--log sweep.txt]
 

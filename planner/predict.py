@@ -152,9 +152,9 @@ class DeviceCost:
         experts_s = ((total - miss) / g.memory_bandwidth_bytes_per_s
                      + miss / g.zero_copy_read_bytes_per_s) / cost.expert_efficiency
         streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.host_to_device_bytes_per_s
+        host_calls = WINDOW_HOST_CALLS + DRAFTER_WINDOW_HOST_CALLS * self.mtp
         return (cost.dense_s(depth, resident) + streamed_kv + experts_s + len(self.moe_blocks) * cost.expert_compute_s
-                + cost.n_nodes * g.graph_node_overhead_s + self._host_calls_s(WINDOW_HOST_CALLS
-                                                                              + DRAFTER_WINDOW_HOST_CALLS * self.mtp))
+                + cost.n_nodes * g.graph_node_overhead_s + self._host_calls_s(host_calls))
 
     def _host_calls_s(self, calls: int) -> float:
         """The engine's Python calls around a pass, counted once: on the GPU that holds the head."""
@@ -169,8 +169,8 @@ class DeviceCost:
         drafter = self.model.drafter_expert_layers[0]
         experts_s = (self.model.hparams.n_expert_used * drafter.blob_bytes / self.gpu.memory_bandwidth_bytes_per_s
                      / cost.expert_efficiency)
-        return (cost.dense_s(span, span) + experts_s + cost.expert_compute_s + cost.n_nodes * self.gpu.graph_node_overhead_s
-                + self._host_calls_s(DRAFT_STEP_HOST_CALLS))
+        return (cost.dense_s(span, span) + experts_s + cost.expert_compute_s
+                + cost.n_nodes * self.gpu.graph_node_overhead_s + self._host_calls_s(DRAFT_STEP_HOST_CALLS))
 
     # --- prefill ---------------------------------------------------------------------------------------
     def chunk_s(self, tokens: int, context, cache_slots, ring_slots, resident_tokens):

@@ -66,7 +66,7 @@ def fit(rooflines_s, times_s) -> KernelFit:
     squares, with latency >= 0 and efficiency in (0, 1]. Absolute, not relative, errors: with its intercept
     the fit then gives the family's nodes their measured total (so does each constrained fallback), which is
     what a pass's prediction adds up; a relative fit let a family's many small nodes pull the large ones'
-    times down (the 2048-token prefill priced 13% under the calibration's own measured wall, BENCHMARKS.md)."""
+    times down (the calibration model's own prompts priced 13-14% under their measured wall, BENCHMARKS.md)."""
     roof, measured = np.asarray(rooflines_s, float), np.asarray(times_s, float)
     latency, inverse = np.linalg.lstsq(np.column_stack([np.ones_like(roof), roof]), measured, rcond=None)[0]
     if inverse < 1.0:          # no faster than the roofline: efficiency 1, the rest is latency

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import yaml
 
+from planner.profile import Kernels, parse_profile
 from runtime.calibrate import fit
+from runtime.detect import kernels_document
 
 
 def test_fit_recovers_latency_and_efficiency(rng):
@@ -30,8 +32,6 @@ def test_fit_never_beats_the_roofline_or_goes_below_zero_latency(rng):
 def test_a_kernel_far_below_its_roofline_is_written_so_that_it_reads_back(rng):
     """A one-block kernel's fit (the grouping's: ~1e-4 of its roofline) must survive the profile's writing:
     rounded to 3 decimals it read back as 0, which the profile parser refuses."""
-    from planner.profile import Kernels, parse_profile
-    from runtime.detect import kernels_document
     rooflines = rng.uniform(1e-8, 1e-7, size=6)
     grouping = fit(rooflines, rooflines / 1.3e-4)
     assert grouping.efficiency == pytest.approx(1.3e-4, rel=1e-6)
