@@ -120,17 +120,20 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
     floor_decode_s = dense / ceilings["read"] + experts * (hit / ceilings["read"] + (1 - hit) / ceilings["zero_copy"])
     floor_prefill_s = streamed / ceilings["pinned"]
     predicted_prefill = nearest(plan.predictions["prefill"], "prompt_tokens", prompt_tokens)["tok_s"]
-    predicted_decode = nearest(plan.predictions["decode"], "depth", prompt_tokens)["tok_s_without_mtp"]
+    # the plan's decode row for this request (its workload's), with the cache slots its K/V ring lends it
+    decode_row = nearest(plan.predictions["decode"], "depth", prompt_tokens + new_tokens // 2)
+    predicted_decode = decode_row["tok_s_without_mtp"]
     prefill_tok_s, decode_tok_s = prompt_tokens / out.prefill_s, 1 / step_s
     return {
         "plan": name, "device GiB": plan.device_bytes(0) / 2 ** 30,
         "allocated - plan MiB": (allocated - plan.device_bytes(0)) / 2 ** 20, "start s": start_s,
-        "cache slots": plan.knobs["expert_cache_slots"][0], "ring slots": plan.knobs["prefill_ring_slots"],
+        "cache slots": plan.knobs["expert_cache_slots"][0], "lent slots": stats["expert_slots_lent"],
+        "ring slots": plan.knobs["prefill_ring_slots"],
         "chunk": plan.knobs["chunk_tokens"],
         "prefill tok/s": prefill_tok_s, "prefill floor": floor_prefill_s / out.prefill_s if streamed else None,
         "prefill predicted": predicted_prefill, "prefill error": predicted_prefill / prefill_tok_s - 1,
         "decode tok/s": decode_tok_s, "of floor": floor_decode_s / step_s, "hit rate": hit,
-        "hit predicted": plan.predictions["expert_hit_rate"],
+        "hit predicted": decode_row["expert_hit_rate"],
         "decode predicted": predicted_decode, "decode error": predicted_decode / decode_tok_s - 1,
         "python overhead": 1 - graph_s / step_s, "first token s": out.first_token_s,
     }

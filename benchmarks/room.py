@@ -72,7 +72,7 @@ def main():
         card = reduced_card(args.layers, folder, CARD, types="q8_0", metadata=HEADS)
         model = load_model(card)
         profile = emulated_profile(args.card, links, args.layers, folder, CARD, extra_bytes=resident_bytes(model))
-        context = max(args.prompt_tokens) + 64
+        context = max(args.prompt_tokens + args.drafter_kv_tokens) + 64
         workload = Workload(prompts=tuple((tokens, 1.0) for tokens in args.prompt_tokens), decode_tokens=1)
         plan = solve(profile, card, context=context, kv=args.kv, mtp=True, workload=workload)
         knobs = plan.knobs

@@ -7,6 +7,7 @@ The explanations are counterfactuals priced by the same cost model: each knob mo
 import numpy as np
 
 from planner import __version__
+from planner.kv_lending import needed_pages
 from planner.layout import REGION_PURPOSE
 from planner.plan import Plan
 from planner.search import (MIN_RING_SLOTS, Knobs, Problem, chunk_candidates, decode_per_draft_depth, feasible_cache,
@@ -77,14 +78,19 @@ def predictions(problem: Problem, knobs: Knobs) -> dict:
         seconds, room = _prefill_with_rule(problem, knobs, read, tokens - read)
         prefill.append({"prompt_tokens": tokens, "read_tokens": read, "seconds": _sig(seconds),
                         "tok_s": _sig(read / seconds), "room_open": room})
-    depths = sorted({d for d in STANDARD_DEPTHS if d <= problem.context_tokens} | {problem.context_tokens})
+    # the standard depths, the context, and the workload's own requests (the depth their decode steps average)
+    depths = sorted({d for d in STANDARD_DEPTHS if d <= problem.context_tokens} | {problem.context_tokens}
+                    | {min(t + wl.decode_tokens // 2, problem.context_tokens) for t, _ in wl.prompts})
     decode = []
     for depth in depths:
         per_depth = [float(t) for t in decode_per_draft_depth(problem, depth, knobs.kv_pages,
                                                               list(knobs.cache_slots))]
         row = {"depth": depth, "tok_s": _sig(1.0 / per_depth[knobs.draft_depth]),
                "tok_s_without_mtp": _sig(1.0 / per_depth[0]),
-               "best_draft_depth": min(range(len(per_depth)), key=per_depth.__getitem__)}
+               "best_draft_depth": min(range(len(per_depth)), key=per_depth.__getitem__),
+               "expert_cache_slots": [int(s) for s in problem.decode_cache_slots(knobs.kv_pages,
+                                                                                 list(knobs.cache_slots), depth)],
+               "expert_hit_rate": _sig(hit_rate(problem, knobs, depth))}
         decode.append(row)
     objective = request_s(problem, knobs.chunk_tokens, knobs.kv_pages, knobs.ring_slots, list(knobs.cache_slots),
                           knobs.draft_depth)
@@ -92,10 +98,13 @@ def predictions(problem: Problem, knobs: Knobs) -> dict:
             "request_seconds": _sig(objective)}
 
 
-def hit_rate(problem: Problem, knobs: Knobs) -> float:
-    """Share of a decode step's routed-expert bytes found in the cache."""
+def hit_rate(problem: Problem, knobs: Knobs, depth: int | None = None) -> float:
+    """Share of a decode step's routed-expert bytes found in the cache: the plan's slots, or at `depth` with
+    the slots the K/V ring lends a request of that depth too."""
     total = sum(c.step_expert_bytes for c in problem.costs)
-    miss = sum(float(c.step_miss_bytes.total(s)) for c, s in zip(problem.costs, knobs.cache_slots))
+    slots = knobs.cache_slots if depth is None else problem.decode_cache_slots(knobs.kv_pages, list(knobs.cache_slots),
+                                                                               depth)
+    miss = sum(float(c.step_miss_bytes.total(s)) for c, s in zip(problem.costs, slots))
     return 1.0 - miss / total if total else 1.0
 
 
@@ -143,6 +152,26 @@ def _objective(problem: Problem, knobs: Knobs, **changes) -> float | None:
     return float(request_s(problem, chunk, pages, ring, [int(c) for c in cache]))
 
 
+def _lending_note(problem: Problem, knobs: Knobs) -> str:
+    """Which of the K/V ring's pages hold K/V and which are lent to the expert cache, at the standard depths."""
+    if all(s >= problem.cache_slots_max(i) for i, s in enumerate(knobs.cache_slots)):
+        return "Every routed expert is cached: no K/V page is lent to the cache"
+    rows = []
+    for depth in sorted({d for d in STANDARD_DEPTHS if d <= problem.context_tokens} | {problem.context_tokens}):
+        request = int(problem.request_tokens(depth))
+        kept = min(int(needed_pages(request, problem.page_tokens)), knobs.kv_pages)
+        lent = sum(int(s) for s in problem.decode_cache_slots(knobs.kv_pages, [0] * len(problem.shares), depth))
+        if kept == knobs.kv_pages:
+            rows.append(f"a request of {request} positions (decode at depth {depth}) stores all {kept} pages: none lent")
+            continue
+        rows.append(f"a request of {request} positions (decode at depth {depth}) stores pages 0-{kept - 1}; pages "
+                    f"{kept}-{knobs.kv_pages - 1} of every layer serve as {lent} expert-cache slots "
+                    f"({format_bytes(lent * problem.slot_bytes)}), hit rate {hit_rate(problem, knobs, depth):.1%} "
+                    f"against {hit_rate(problem, knobs):.1%} with the plan's slots alone")
+    return ("A request lends the pages it cannot reach to decode's expert cache, in place (the "
+            "expert slots wholly inside each layer's unreached K and V pages): " + "; ".join(rows))
+
+
 def _versus(base: float, other: float | None, what: str) -> str:
     if other is None:
         return f"{what} would not fit (or is below the minimum)"
@@ -171,14 +200,16 @@ def explanations(problem: Problem, knobs: Knobs) -> dict:
                                                        2 * knobs.ring_slots)))
     notes["expert_cache_slots"] = ("what is left of each GPU after the other regions: more cache never costs "
                                    f"time; decode hit rate {hit_rate(problem, knobs):.1%}")
+    notes["kv_pages"] += ". " + _lending_note(problem, knobs)
     if problem.mtp:
         depth = max(t for t, _ in problem.workload.prompts)
         per_n = []
         resident = problem.resident_tokens(knobs.kv_pages)
+        cache = problem.decode_cache_slots(knobs.kv_pages, list(knobs.cache_slots), depth)
         draft = sum(c.draft_s(depth, problem.workload.drafter_window) for c in problem.costs)
         a = problem.workload.draft_acceptance
         for n in range(0, 5):
-            verify = sum(float(c.window_s(1 + n, depth, s, resident)) for c, s in zip(problem.costs, knobs.cache_slots))
+            verify = sum(float(c.window_s(1 + n, depth, s, resident)) for c, s in zip(problem.costs, cache))
             per_n.append(f"{n}: {sum(a ** i for i in range(n + 1)) / (n * draft + verify):.1f} tok/s")
         notes["draft_depth"] = (f"{knobs.draft_depth} draft{'s' * (knobs.draft_depth != 1)} per verify window at acceptance {a}; at depth {depth}: "
                                 + ", ".join(per_n))

@@ -9,14 +9,16 @@ from dataclasses import dataclass
 from codegen.memory import ARENA_ALIGNMENT_BYTES
 from planner.architecture import tensor_layer
 
-# expert_cache, prefill_ring and drafter_experts lie back to back: one array of expert slots (model.SlotLayout)
-REGION_ORDER = ("dense", "drafter_dense", "kv_ring", "drafter_kv", "expert_cache", "prefill_ring", "drafter_experts",
+# expert_cache, prefill_ring and drafter_experts lie back to back: one array of expert slots (model.SlotLayout);
+# kv_ring right after them, so the pages a request cannot reach are expert slots too (planner.kv_lending)
+REGION_ORDER = ("dense", "drafter_dense", "expert_cache", "prefill_ring", "drafter_experts", "kv_ring", "drafter_kv",
                 "arena", "tables")
 REGION_PURPOSE = {
     "dense": "attention, norms, router, shared expert, embeddings, output head: read every token",
     "drafter_dense": "the NextN (MTP) block's dense tensors",
     "drafter_experts": "the drafter's routed experts, a slot each (decode only); lent to the prefill ring as the room",
-    "kv_ring": "K/V of the last resident positions, page p in slot p mod pages, over a host copy",
+    "kv_ring": "K/V of the last resident positions, page p in slot p mod pages, over a host copy; the pages a "
+               "request cannot reach are lent to the expert cache",
     "drafter_kv": "the drafter's K/V ring, sized from its window",
     "expert_cache": "decode's slots for the hottest routed experts; misses read mapped host memory",
     "prefill_ring": "slots through which a prompt chunk streams the experts it needs",

@@ -15,7 +15,7 @@ from planner.document import read_document
 from planner.errors import StratumError
 from planner.layout import REGION_ORDER, Region
 
-SCHEMA = "stratum-plan/1"
+SCHEMA = "stratum-plan/2"   # 2: kv_ring after the expert regions (planner.kv_lending)
 
 
 @dataclass

@@ -3,8 +3,9 @@
 Variables: prefill chunk (powers of two), K/V ring pages, prefill ring slots, expert cache slots per GPU,
 MTP draft depth, and the drafter room's threshold. For each chunk, every (K/V pages, ring slots) pair of a
 grid is priced at once with numpy; the expert cache takes what is left of each GPU, since more cache never
-costs time (it only removes streaming and zero-copy reads). The best point is then refined one page and one
-slot at a time. The drafter's window comes from the workload; the room's threshold is the shortest read
+costs time (it only removes streaming and zero-copy reads). A request lends the K/V pages it cannot reach to
+the decode cache (planner.kv_lending), so decode is priced with those slots too. The best point is then refined
+one page and one slot at a time. The drafter's window comes from the workload; the room's threshold is the shortest read
 whose prefill gain exceeds the cost of copying the drafter's experts back.
 """
 
@@ -16,6 +17,7 @@ from codegen.graph import build_pass, representative_layers
 from codegen.memory import plan_arena
 from planner.errors import DoesNotFit, StratumError
 from planner.kv import KVType, parse_kv_type
+from planner.kv_lending import lent_slot_count, page_parts
 from planner.layout import aligned, carve, fixed_region_sizes, kv_ring_bytes
 from planner.model import Model, load_model
 from planner.plan import Plan
@@ -112,6 +114,21 @@ class Problem:
 
     def cache_slots_max(self, device: int) -> int:
         return len(self.costs[device].moe_blocks) * self.model.hparams.n_expert
+
+    def request_tokens(self, depth):
+        """The positions of a request whose decode steps average `depth` (its prompt, then the workload's
+        decode tokens around it): what its K/V ring must hold."""
+        decode = self.workload.decode_tokens
+        return np.minimum(np.asarray(depth) + decode - decode // 2, self.context_tokens)
+
+    def decode_cache_slots(self, pages, cache_slots: list, depth) -> list:
+        """Per GPU, the cache slots decode has at `depth`: the plan's, and those the K/V ring's unreached pages
+        lend (planner.kv_lending; numpy arrays of pages and slots broadcast)."""
+        hp = self.model.hparams
+        parts = page_parts(self.kv, self.page_tokens, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v)
+        return [slots + lent_slot_count(parts, len(share.blocks), pages, self.request_tokens(depth), self.page_tokens,
+                                        self.slot_bytes)
+                for share, slots in zip(self.shares, cache_slots)]
 
 
 @dataclass
@@ -216,8 +233,10 @@ def prefill_s(problem: Problem, read: int, start: int, chunk: int, pages, ring_s
 
 
 def decode_per_draft_depth(problem: Problem, depth: int, pages, cache_slots) -> list:
-    """Seconds per generated token at `depth` for each draft depth (index 0: no drafting)."""
+    """Seconds per generated token at `depth` for each draft depth (index 0: no drafting), the expert cache
+    grown by the K/V pages a request of that depth lends it."""
     resident = problem.resident_tokens(pages)
+    cache_slots = problem.decode_cache_slots(pages, cache_slots, depth)
     step = sum(c.window_s(1, depth, s, resident) for c, s in zip(problem.costs, cache_slots))
     per_depth = [step]
     if problem.mtp:

@@ -18,6 +18,11 @@ Conversations: the K/V of the last request's prompt stays in the ring; a request
 whose prompt starts with it reads only the rest. Only prompt positions are reused: generated tokens' K/V was
 computed by the decode family, whose sums differ in the last bits from the prefill family's, and a reused
 conversation must give bitwise the logits of a cold read.
+
+The K/V ring sized per request: a request whose prompt and new tokens need fewer pages than the plan's ring
+lends the other pages' bytes to the expert cache for its decode (`planner.kv_lending`, `ExpertStore.lend`), in
+place; the next request that needs them takes them back. The lent slots are filled after the prompt is read,
+on the copy stream, like any cache refresh; logits never depend on it (DESIGN.md invariant 2).
 """
 
 import time
@@ -33,6 +38,7 @@ from planner.architecture import tensor_layer
 from planner.errors import StratumError
 from planner.header import read_header
 from planner.kv import parse_kv_type
+from planner.kv_lending import lent_slots, needed_pages
 from planner.layout import table_sizes
 from planner.model import load_model
 from planner.predict import MAX_DRAFT_DEPTH
@@ -68,14 +74,16 @@ class _Totals:
 
 class Engine:
     def __init__(self, plan, model, progress: bool = True, seed: int | None = None, tensors=None,
-                 refresh_steps: int = REFRESH_STEPS, room_min_read_tokens="plan", drafter_kv_pass: str = "batched"):
+                 refresh_steps: int = REFRESH_STEPS, room_min_read_tokens="plan", drafter_kv_pass: str = "batched",
+                 kv_lending: bool = True):
         """model: the GGUF file the plan was made for (or a model card, with `tensors`); tensors: (name,
         PackedWeight) pairs to load instead of the file's data (benchmarks build weights in memory);
         refresh_steps: decode steps between expert-cache refreshes; room_min_read_tokens: the drafter room
         opens for requests that read at least this many prompt tokens: "plan" (the plan's threshold), a
         number (0: every request), or None (never: the A/B switch); drafter_kv_pass: how a prompt's drafter
         K/V is stored: "batched" (in the prompt's own pass) or "per_row" (the drafter's own pass, a draft step
-        a position, the A/B switch)."""
+        a position, the A/B switch); kv_lending: a request that needs fewer K/V pages than the plan's ring
+        lends the rest to the expert cache for its decode (False: never, the A/B switch)."""
         self.refresh_steps = refresh_steps
         started = time.perf_counter()
         self.progress = Progress(progress)
@@ -103,6 +111,7 @@ class Engine:
                                    self.model.slot_layout, self.knobs["expert_cache_slots"][0],
                                    self.knobs["prefill_ring_slots"], self.refresh_steps,
                                    self._traced_popularity(settings))
+        self.kv_lending = kv_lending and self.experts.needs_host and self.experts.lendable_slots > 0
         self.drafter = None
         if self._has_drafter():
             self.drafter = Drafter(self.arena, self.tables, self.kv, self.hp, self.knobs, settings["context_tokens"],
@@ -436,6 +445,7 @@ class Engine:
         self.experts.settle(self.compute)
         if self.experts.room_open:      # a request stopped while it read its prompt left the room open
             self.experts.close_room(self.compute)
+        self._lend_kv_pages(len(prompt) + max_new_tokens)
         read = len(prompt) - reused
         room = self.room_min_read_tokens is not None and read >= self.room_min_read_tokens
         if room:
@@ -444,6 +454,8 @@ class Engine:
         if conversation is not None:
             self.kv_owner = (conversation, tuple(prompt))
         lend_s = self.experts.close_room(self.compute) if room else 0.0
+        if any(self.experts.free.values()):
+            self.experts.refresh(self.compute)      # fills the lent slots while decode reads the host copy
         prefill_s = time.perf_counter() - called
         self.totals.prefill_tokens += read
         self.totals.prefill_s += prefill_s
@@ -451,7 +463,7 @@ class Engine:
         self.totals.requests += 1
         self.totals.prompt_lengths[len(prompt)] = self.totals.prompt_lengths.get(len(prompt), 0) + 1
         self.totals.last = {"prompt_tokens": len(prompt), "reused_tokens": reused, "prefill_s": prefill_s,
-                            "room_open": room}
+                            "room_open": room, "lent_slots": self.experts.stats.lent_slots}
         if room:
             self.experts.stats.room_requests += 1
             self.experts.stats.room_lend_s += lend_s
@@ -495,6 +507,17 @@ class Engine:
             position += accepted + 1
         self.totals.decode_s += time.perf_counter() - decode_started
         self.totals.last["decode_s"] = time.perf_counter() - decode_started
+
+    def _lend_kv_pages(self, request_tokens: int) -> None:
+        """Lend the K/V ring's slots a request of `request_tokens` positions cannot reach to the expert cache
+        (`planner.kv_lending`), before its passes store K/V (slots it needs again give their experts up)."""
+        if not self.kv_lending:
+            return
+        ring = self.kv_ring
+        lent = lent_slots(ring.parts, len(ring.pages), ring.n_slots, request_tokens, ring.page_tokens,
+                          self.model.slot_layout.slot_bytes)
+        self.experts.lend([self.experts.kv_first + s.slot for s in lent], self.compute)
+        ring.lend(int(needed_pages(request_tokens, ring.page_tokens)), self.compute)
 
     def _check_depth(self, draft_depth: int | None) -> int:
         if draft_depth is None:
@@ -543,6 +566,7 @@ class Engine:
                 "reused_tokens": t.reused_tokens, "expert_cache_hit_rate": round(e.hit_rate, 4),
                 "expert_bytes_copied": e.streamed_bytes, "experts_refreshed": e.refreshed_experts,
                 "room_requests": e.room_requests, "room_lend_s": round(e.room_lend_s, 4),
+                "expert_slots_lent": e.lent_slots,
                 "device_bytes": self.arena.nbytes, "kernels": kernel_counts(), **self._draft_stats(),
                 "last_request": dict(t.last)}
 

@@ -22,6 +22,12 @@ Decode: the cache starts with each block's lowest ids and is refreshed every `RE
 experts routed most often so far (the plan's `frequency` policy), off the critical path: a swapped expert is
 read from the host copy until its copy (on the copy stream) is done, so a step never reads a slot while it is
 rewritten, and never waits for one.
+
+Lent slots: the plan's `kv_ring` region follows the expert regions, so the slot array runs on over it, and the
+K/V pages a request cannot reach (`planner.kv_lending`) are cache slots for that request (`lend`): each joins
+the block with the fewest slots, empty, and `refresh` fills it with that block's most routed uncached expert.
+A slot the next request needs for its K/V again gives its expert up first (the expert is read from the host
+copy from then on).
 """
 
 import time
@@ -48,6 +54,7 @@ class ExpertStats:
     room_requests: int = 0          # requests that read their prompt with the room open
     room_reclaims: int = 0          # of them, those whose ring wrote into the drafter's slots (copied back)
     room_lend_s: float = 0.0        # their time giving the room back (the drafter's experts copied in again)
+    lent_slots: int = 0             # cache slots the K/V ring lends the current request
 
     @property
     def hit_rate(self) -> float:
@@ -75,7 +82,15 @@ class ExpertStore:
         self.room_written = False       # whether the ring wrote into the drafter's slots since they were loaded
         self.layout = layout
         regions = [name for name in ("expert_cache", "prefill_ring", "drafter_experts") if arena.has(name)]
-        self.blobs = arena.carver(*regions).array((self.room_first + self.n_room, layout.slot_bytes), np.uint8)
+        self.kv_first = self.room_first + self.n_room     # the kv_ring region's first byte is this slot's
+        kv_region = arena.regions.get("kv_ring")
+        lendable = 0
+        if kv_region is not None and kv_region.offset == arena.regions[regions[0]].offset + self.kv_first * layout.slot_bytes:
+            regions.append("kv_ring")
+            lendable = kv_region.bytes // layout.slot_bytes
+        self.blobs = arena.carver(*regions).array((self.kv_first + lendable, layout.slot_bytes), np.uint8)
+        self.lent = {}          # lent slot -> the block it serves
+        self.free = {block: [] for block in moe_blocks}         # lent slots no expert has been copied into yet
         self.slots = {m: self._slot_weight(m, t, shape) for m, (t, shape) in shapes.items()}
         self.drafter_host = {}          # matrix -> (data, scales or None): pinned, what closing the room copies
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
@@ -293,26 +308,31 @@ class ExpertStore:
             self._publish(compute)
 
     def refresh(self, compute) -> None:
-        """Swap cached experts for more often routed ones (an incoming expert must have been routed more
-        often than the one it replaces), off the critical path: the swapped experts' table entries point at
-        the host copy at once (ordered on the compute stream), the copies run on the copy stream while decode
-        goes on, and the entries point at the new slots once the copies are done (`after_decode_step`)."""
+        """Fill empty lent slots with the most routed uncached experts, and swap cached experts for more often
+        routed ones (an incoming expert must have been routed more often than the one it replaces), off the
+        critical path: the arriving experts' table entries point at the host copy at once (ordered on the
+        compute stream), the copies run on the copy stream while decode goes on, and the entries point at the
+        new slots once the copies are done (`after_decode_step`)."""
         for index, block in enumerate(self.blocks):
-            resident, counts = self.resident[block], self.counts[index]
+            resident, counts, free = self.resident[block], self.counts[index], self.free[block]
             order = sorted(range(self.n_expert), key=lambda e: (-counts[e], e))
-            wanted = order[:len(resident)]
+            wanted = order[:len(resident) + len(free)]
             incoming = [e for e in wanted if e not in resident]
+            filled = incoming[:len(free)]
+            for expert in filled:
+                resident[expert] = free.pop(0)
             outgoing = sorted((e for e in resident if e not in set(wanted)), key=lambda e: (counts[e], e))
-            swaps = [(i, o) for i, o in zip(incoming, outgoing) if counts[i] > counts[o]]
-            if not swaps:
-                continue
+            swaps = [(i, o) for i, o in zip(incoming[len(filled):], outgoing) if counts[i] > counts[o]]
             for expert, out in swaps:
                 resident[expert] = resident.pop(out)
                 self.cached[index, out] = False
+            arriving = filled + [expert for expert, _out in swaps]
+            if not arriving:
+                continue
             table = self.decode_table(block)
-            table[[expert for expert, _out in swaps]] = -1       # not copied yet: read from the host copy
+            table[arriving] = -1       # not copied yet: read from the host copy
             self._write_table(index, table, compute)
-            self.incoming.append((index, block, [expert for expert, _out in swaps]))
+            self.incoming.append((index, block, arriving))
         if not self.incoming:
             return
         tables_written = cuda.event()
@@ -325,6 +345,42 @@ class ExpertStore:
                 self.stats.refreshed_experts += 1
         self.pending = cuda.event()
         self.pending.record(self.copy_stream)
+
+    def lend(self, slots: list, compute) -> None:
+        """The slots the K/V ring lends the next request (slot indices of this array). A lent slot it no longer
+        lends gives its expert up (the block's table then points at the host copy, written on `compute` before
+        the request's passes store K/V there); a newly lent one joins the block with the fewest slots (none
+        beyond a block's every expert), empty until `refresh` fills it. No refresh may be pending (`settle`)."""
+        keep = set(slots)
+        changed = set()
+        for slot in [s for s in self.lent if s not in keep]:
+            block = self.lent.pop(slot)
+            holder = [e for e, at in self.resident[block].items() if at == slot]
+            if holder:
+                del self.resident[block][holder[0]]
+                self.cached[self.blocks.index(block), holder[0]] = False
+                changed.add(block)
+            else:
+                self.free[block].remove(slot)
+        for slot in sorted(keep - set(self.lent)):
+            index = min(range(len(self.blocks)), key=lambda i: (self._block_slots(self.blocks[i]), i))
+            block = self.blocks[index]
+            if self._block_slots(block) >= self.n_expert:
+                break           # every block can hold all its experts
+            self.lent[slot] = block
+            self.free[block].append(slot)
+        for block in changed:
+            index = self.blocks.index(block)
+            self._write_table(index, self.decode_table(block), compute)
+        self.stats.lent_slots = len(self.lent)
+
+    def _block_slots(self, block: int) -> int:
+        return len(self.resident[block]) + len(self.free[block])
+
+    @property
+    def lendable_slots(self) -> int:
+        """Slots of the array that lie over the kv_ring region (what `lend` may be given)."""
+        return self.blobs.shape[0] - self.kv_first
 
     def _publish(self, compute) -> None:
         for index, block, experts in self.incoming:

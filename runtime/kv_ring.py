@@ -10,12 +10,17 @@ page is: its slot, or -1.
 The ring remembers which page each slot holds. A page is in VRAM only while its slot still holds it: a
 conversation reused after its decode steps wrote further finds its older pages in the host copy, not in slots
 that later pages took.
+
+A request that needs fewer pages than the ring has lends the other slots of every layer to the expert cache
+(`planner.kv_lending`, `lend`): they hold no page while lent, and a pass that would store into one is refused.
 """
 
 import numpy as np
 
 from codegen.lower.cuda import copy_rows, cuda, mapped_filled
 from codegen.lower.kv_pages import kv_arrays
+from planner.errors import StratumError
+from planner.kv_lending import page_parts, part_offsets
 
 
 class KVRing:
@@ -32,7 +37,14 @@ class KVRing:
         def layout(slots):
             return kv_arrays(kv.name, slots, page_tokens, hparams.n_head_kv, hparams.head_dim_k, hparams.head_dim_v)
         carver = arena.carver(region, alignment=4)
-        self.pages = {layer: layout(n_slots).carve(carver.array) for layer in layers}
+        self.parts = page_parts(kv, page_tokens, hparams.n_head_kv, hparams.head_dim_k, hparams.head_dim_v)
+        offsets = part_offsets(self.parts, len(layers), n_slots)
+        self.pages = {}
+        for i, layer in enumerate(layers):
+            if carver.used != offsets[i, next(iter(self.parts))]:
+                raise StratumError(f"layer {layer}'s K/V pages start at byte {carver.used} of {region}, not at the "
+                                   f"{offsets[i, next(iter(self.parts))]} planner.kv_lending counts")
+            self.pages[layer] = layout(n_slots).carve(carver.array)
         self.host = {}          # layer -> the host copy of its pages (none when the ring holds the context)
         if host_copy and n_slots < self.full_pages:
             whole = layout(self.full_pages)
@@ -42,6 +54,7 @@ class KVRing:
                 progress.advance(whole.nbytes)
             progress.finish()
         self.holds = np.full(n_slots, -1, np.int64)           # slot -> the page it holds
+        self.lent_from = n_slots        # slots lent_from.. are lent to the expert cache
         self.pages_index = np.arange(self.full_pages)
         self.staging = cuda.pinned_array(self.full_pages, np.int32)
         self.staging[:] = -1        # no page yet: a pass that claims none (the drafter's, early in a prompt) stores none
@@ -56,7 +69,22 @@ class KVRing:
         if all(self.holds[page % self.n_slots] == page for page in pages):
             return          # the table follows from `holds` alone, and they have not changed (most decode steps)
         for page in pages:
+            if page % self.n_slots >= self.lent_from:
+                raise StratumError(f"page {page} would be stored in K/V slot {page % self.n_slots}, which this "
+                                   f"request lent to the expert cache (it said it needs {self.lent_from} pages)")
             self.holds[page % self.n_slots] = page
+        self._write_table(stream)
+
+    def lend(self, request_pages: int, stream) -> None:
+        """Lend slots request_pages.. of every layer to the expert cache for a request that stores only pages
+        0..request_pages - 1 (none when it needs the whole ring): the pages they held are gone from VRAM (the
+        host copy, when there is one, still has them)."""
+        self.lent_from = min(request_pages, self.n_slots)
+        if (self.holds[self.lent_from:] >= 0).any():
+            self.holds[self.lent_from:] = -1
+            self._write_table(stream)
+
+    def _write_table(self, stream) -> None:
         slots = self.pages_index % self.n_slots
         self.staging[:] = np.where(self.holds[slots] == self.pages_index, slots, -1)
         copy_rows(self.page_table, 0, self.staging, 0, self.full_pages, stream)

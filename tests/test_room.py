@@ -36,7 +36,8 @@ def plan(tmp_path_factory, model):
 
 
 def drafter_slots(engine) -> np.ndarray:
-    return engine.experts.blobs[engine.experts.room_first:].copy_to_host()
+    experts = engine.experts
+    return experts.blobs[experts.room_first:experts.room_first + experts.n_room].copy_to_host()
 
 
 def expected_drafter_slots(engine, model) -> np.ndarray:
