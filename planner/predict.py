@@ -12,8 +12,8 @@
   launches;
 - K/V ring: the last `resident` positions are in VRAM; attention over older ones streams them over the link;
 - MTP: a round drafts n tokens and verifies 1 + n in one window, yielding 1 + a + a^2 + ... + a^n tokens;
-- the host: a decode window or draft step is one graph replay, but the engine's Python copies its inputs in
-  and its tokens out around it, a few `kernel_launch`es a pass (`WINDOW_HOST_CALLS`).
+- the host: a decode window or draft step is one graph replay, its copies in and out captured with it: one
+  `kernel_launch` a pass (`WINDOW_HOST_CALLS`).
 
 Every function takes numpy arrays for the layout variables (cache slots, ring slots, resident tokens), so the
 solver prices thousands of candidate layouts in a few vector operations.
@@ -32,12 +32,12 @@ from planner.workload import Workload
 
 MAX_DRAFT_DEPTH = 4
 # Driver calls the engine (runtime.engine) makes from Python around each pass it replays, each priced at the
-# profile's `kernel_launch` (a launch or a copy issued from Python): a decode window copies its token ids and
-# positions in, launches its graph and copies its greedy tokens out, plus its hidden states with a drafter; a
-# draft step also copies its hidden state in and its own out. tests/test_engine.py counts them.
-WINDOW_HOST_CALLS = 4
-DRAFTER_WINDOW_HOST_CALLS = 1
-DRAFT_STEP_HOST_CALLS = 6
+# profile's `kernel_launch` (a launch or a copy issued from Python): a decode window's and a draft step's
+# input and output copies are part of their captured graphs, so each is one graph launch.
+# tests/test_engine.py counts them.
+WINDOW_HOST_CALLS = 1
+DRAFTER_WINDOW_HOST_CALLS = 0
+DRAFT_STEP_HOST_CALLS = 1
 CHUNK_SAMPLES = 8       # chunks priced per prompt; a longer prompt's chunks are sampled evenly and scaled
 
 

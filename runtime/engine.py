@@ -285,17 +285,27 @@ class Engine:
         return self.programs[key]
 
     def _inputs(self, program, token_ids, start: int, next_ids=None) -> None:
-        """A pass's token ids and positions (and, for a prompt pass with the drafter, each row's next token),
-        copied from pinned staging (an asynchronous copy: every pass ends in a host sync, so the staging is
-        free again before the next pass writes it)."""
+        """A prompt pass's token ids and positions (and, with the drafter, each row's next token), staged and
+        copied in."""
+        self._stage(token_ids, start, next_ids)
+        self._copy_inputs(program, len(token_ids), self.compute, next_ids is not None)
+
+    def _stage(self, token_ids, start: int, next_ids=None) -> None:
+        """A pass's inputs written to pinned staging (every pass ends in a host sync, so the staging is free
+        again before the next pass writes it)."""
         n = len(token_ids)
         self.staging[0, :n] = token_ids
         self.staging[1, :n] = np.arange(start, start + n, dtype=np.int32)
-        copy_rows(program.tensors["token_ids"], 0, self.staging[0], 0, n, self.compute)
-        copy_rows(program.tensors["positions"], 0, self.staging[1], 0, n, self.compute)
         if next_ids is not None:
             self.staging[2, :n] = next_ids
-            copy_rows(program.tensors["next_token_ids"], 0, self.staging[2], 0, n, self.compute)
+
+    def _copy_inputs(self, program, n: int, stream, next_ids: bool = False) -> None:
+        """The staged inputs' copies (asynchronous; a decode window's and a draft step's are part of their
+        captured graphs, so a replay issues them with the kernels in one driver call)."""
+        copy_rows(program.tensors["token_ids"], 0, self.staging[0], 0, n, stream)
+        copy_rows(program.tensors["positions"], 0, self.staging[1], 0, n, stream)
+        if next_ids:
+            copy_rows(program.tensors["next_token_ids"], 0, self.staging[2], 0, n, stream)
 
     def _prefill(self, token_ids, start: int) -> np.ndarray:
         """Read positions start.. in chunks of the plan's size; the last position's logits. With the drafter,
@@ -341,7 +351,8 @@ class Engine:
             self.drafter.ring.claim(q, q + 1, self.compute)
             self._inputs(draft, [token_ids[q - start + 1]], q)
             copy_rows(draft.tensors["hidden_in"], 0, self.prompt_hiddens, i, 1, self.compute)
-            self._replay(("draft", 1), draft.run)
+            # its own graph: a draft step's captures its copies, which read and write `self.hidden`
+            self._replay(("drafter rows", 1), draft.run)
             self.compute.synchronize()       # the next row's inputs reuse the staging
 
     def _run_prefill(self, program) -> None:
@@ -377,12 +388,28 @@ class Engine:
             graph.replay(self.compute)
 
     def _enqueue_decode(self, stream, rows: int) -> None:
+        """A decode window as captured: its staged inputs in, its kernels (each MoE block's routed ids out for
+        the cache policy), its greedy tokens (and, with the drafter, hidden states) out to pinned memory."""
         program = self._program("decode", rows)
+        self._copy_inputs(program, rows, stream)
         for step in program.steps:
             step.run(stream)
             if program.graph.nodes[step.name]["op"] == "topk":
                 index = self.moe_blocks.index(tensor_layer(step.name))
                 program.tensors[step.name].copy_to_host(self.decode_ids[index, :rows], stream=stream)
+        copy_rows(self.greedy, 0, program.tensors["argmax"], 0, rows, stream)
+        if self.drafter is not None:
+            copy_rows(self.hiddens, 0, program.tensors["head_norm"], 0, rows, stream)
+
+    def _enqueue_draft(self, stream) -> None:
+        """A draft step as captured: its staged inputs and hidden state in, the NextN block, its greedy token and
+        hidden state out."""
+        program = self._program("draft", 1)
+        self._copy_inputs(program, 1, stream)
+        copy_rows(program.tensors["hidden_in"], 0, self.hidden, 0, 1, stream)
+        program.run(stream)
+        copy_rows(self.greedy, 0, program.tensors["argmax"], 0, 1, stream)
+        copy_rows(self.hidden, 0, program.tensors["head_norm"], 0, 1, stream)
 
     def _verify(self, tokens: list, position: int):
         """A decode window of the trunk over `tokens` at positions position..: its greedy tokens land in
@@ -390,11 +417,8 @@ class Engine:
         rows = len(tokens)
         program = self._program("decode", rows)
         self.kv_ring.claim(position, position + rows, self.compute)
-        self._inputs(program, tokens, position)
+        self._stage(tokens, position)
         self._replay(("decode", rows), lambda stream: self._enqueue_decode(stream, rows))
-        copy_rows(self.greedy, 0, program.tensors["argmax"], 0, rows, self.compute)
-        if self.drafter is not None:
-            copy_rows(self.hiddens, 0, program.tensors["head_norm"], 0, rows, self.compute)
         self.compute.synchronize()
         self.experts.record_decode(self.decode_ids[:, :rows])
         self.experts.after_decode_step(self.compute)
@@ -408,11 +432,8 @@ class Engine:
         drafts, distributions = [], []
         for q in range(position, position + depth):
             self.drafter.ring.claim(q, q + 1, self.compute)
-            self._inputs(program, [token], q)
-            copy_rows(program.tensors["hidden_in"], 0, self.hidden, 0, 1, self.compute)
-            self._replay(("draft", 1), program.run)
-            copy_rows(self.greedy, 0, program.tensors["argmax"], 0, 1, self.compute)
-            copy_rows(self.hidden, 0, program.tensors["head_norm"], 0, 1, self.compute)
+            self._stage([token], q)
+            self._replay(("draft", 1), self._enqueue_draft)
             self.compute.synchronize()
             token = int(self.greedy[0])
             if not 0 <= token < self.hp.n_vocab:     # non-finite drafter logits: propose nothing further
