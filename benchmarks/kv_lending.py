@@ -9,7 +9,7 @@ its NextN drafter (random weights with skewed routing), on an emulated `--card` 
 the H200's compute and this run's measured links). Two plans for a context of `--context` positions: the ring
 pinned to `--small-ring-pages` pages, and to the whole context; each run with lending on and off (the engine's
 `kv_lending` switch) on the same `--prompt-tokens` random prompt, decoding `--new-tokens` greedy tokens without
-drafting and at `--depth` drafts a window. Random weights' drafter is never right, so drafts are replaced by
+drafting and at `--depth` drafts a window (every window size captured first). Random weights' drafter is never right, so drafts are replaced by
 the greedy output's tokens at `--rate` (`benchmarks/mtp.py`'s set acceptance): the verify windows accept as a
 drafter of that quality would, and the draft steps' cost is paid as usual. Every drafted run's tokens are
 checked equal to the run without drafting. Commands (prefix from DEVICE.md):
@@ -84,6 +84,8 @@ def main():
         for name, plan in solved.items():
             for lending in (False, True):
                 with Engine(plan, card, tensors=tensors, progress=False, kv_lending=lending) as engine:
+                    for drafts in range(1, args.depth + 1):     # every verify window size captured before timing
+                        engine.generate(prompt[:64], max_new_tokens=args.depth + 3, draft_depth=drafts)
                     plain, _, truth = decode_rate(engine, prompt, args.new_tokens, 0)
                     hit = engine.stats()["expert_cache_hit_rate"]
                     lent = engine.stats()["expert_slots_lent"]

@@ -60,7 +60,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--card", default="rtx-2060-super-8g")
-    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--prompt-tokens", type=int, nargs="*", default=[4096, 16384, 32768],
+                        help="prompt lengths of the room's paired runs (none: only the drafter K/V table)")
     parser.add_argument("--repeats", type=int, default=2, help="pairs per prompt length")
     parser.add_argument("--kv", default="f16")
     parser.add_argument("--drafter-kv-tokens", type=int, nargs="*", default=[7168, 14336])
@@ -73,7 +74,8 @@ def main():
         model = load_model(card)
         profile = emulated_profile(args.card, links, args.layers, folder, CARD, extra_bytes=resident_bytes(model))
         context = max(args.prompt_tokens + args.drafter_kv_tokens) + 64
-        workload = Workload(prompts=tuple((tokens, 1.0) for tokens in args.prompt_tokens), decode_tokens=1)
+        lengths = args.prompt_tokens or args.drafter_kv_tokens
+        workload = Workload(prompts=tuple((tokens, 1.0) for tokens in lengths), decode_tokens=1)
         plan = solve(profile, card, context=context, kv=args.kv, mtp=True, workload=workload)
         knobs = plan.knobs
         print(f"plan: {plan.device_bytes(0) / 2 ** 30:.2f} GiB, cache slots {knobs['expert_cache_slots'][0]}, "
@@ -99,6 +101,7 @@ def main():
         for drafter_kv_pass in ("batched", "per_row"):
             with Engine(plan, card, tensors=tensors, room_min_read_tokens=None, drafter_kv_pass=drafter_kv_pass,
                         progress=False) as engine:
+                engine.generate(rng.integers(0, model.hparams.n_vocab, size=64).tolist(), 1)    # warm the host paths
                 for tokens in args.drafter_kv_tokens:
                     prompt = np.random.default_rng(tokens).integers(0, model.hparams.n_vocab, size=tokens).tolist()
                     out = engine.generate(prompt, max_new_tokens=1)

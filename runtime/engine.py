@@ -347,8 +347,12 @@ class Engine:
         each position q, reading the token at q + 1 and the chunk's hidden state at q (`prompt_hiddens`, pinned:
         a draft step's activations take the arena bytes the chunk's pass left them in)."""
         draft = self._program("draft", 1)
+        window = self.drafter.window_tokens
         for i, q in enumerate(positions):
-            self.drafter.ring.claim(q, q + 1, self.compute)
+            # the step's attention reads its whole window, which reaches back before the first row this pass
+            # stores: those pages take their slots too (stale bytes, read only into this step's discarded
+            # logits), so the kernel never follows a page the ring has no slot for (no host copy behind it)
+            self.drafter.ring.claim(max(0, q - window + 1), q + 1, self.compute)
             self._inputs(draft, [token_ids[q - start + 1]], q)
             copy_rows(draft.tensors["hidden_in"], 0, self.prompt_hiddens, i, 1, self.compute)
             # its own graph: a draft step's captures its copies, which read and write `self.hidden`
