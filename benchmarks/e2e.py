@@ -86,11 +86,18 @@ def nearest(rows: list, key: str, value: int) -> dict:
     return min(rows, key=lambda row: abs(row[key] - value))
 
 
-def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, rng, host_profile=0, histogram=None):
+def random_prompts(rng, vocab: int):
+    """prompt(n): n random token ids."""
+    return lambda n: rng.integers(0, vocab, size=n).tolist()
+
+
+def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, rng, host_profile=0, histogram=None,
+             context=CONTEXT, prompt=None):
     """One plan's engine: a warm-up request, then the measured one. histogram: a traced expert popularity
-    to plan with (the planner's hit-rate curve and the cache's first experts), else the default skew."""
+    to plan with (the planner's hit-rate curve and the cache's first experts), else the default skew; prompt:
+    prompt(n) gives n token ids (default random ids); without MTP (a model's drafter is validated apart)."""
     workload = Workload(prompts=((prompt_tokens, 1.0),), decode_tokens=new_tokens, histogram=histogram)
-    plan = solve(profile, card, context=CONTEXT, kv="f16", workload=workload)
+    plan = solve(profile, card, context=context, kv="f16", workload=workload, mtp=False)
     model = load_model(card)
     started = time.perf_counter()
     free_before, _ = cuda.current_context().get_memory_info()
@@ -98,13 +105,13 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
     start_s = time.perf_counter() - started
     allocated = free_before - cuda.current_context().get_memory_info()[0]
     try:
-        vocab = model.hparams.n_vocab
-        engine.generate(rng.integers(0, vocab, size=64).tolist(), 4)         # warm the host paths
+        prompt = prompt or random_prompts(rng, model.hparams.n_vocab)
+        engine.generate(prompt(64), 4)         # warm the host paths
         copied = engine.experts.stats.streamed_bytes
         profiler = cProfile.Profile() if host_profile else None
         if profiler:
             profiler.enable()
-        out = engine.generate(rng.integers(0, vocab, size=prompt_tokens).tolist(), new_tokens)
+        out = engine.generate(prompt(prompt_tokens), new_tokens)
         if profiler:
             profiler.disable()
             print(f"{name}: host time of the measured request, top {host_profile} functions by own time")

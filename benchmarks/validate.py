@@ -14,6 +14,10 @@ First a resident engine serves a set of prompts and traces their routing (`Engin
 solved from that trace's histogram (its hit-rate curve, and the experts its cache starts with) and measured on
 other prompts, so "hit predicted" beside "hit rate" is a trace's prediction tested on a different prompt set.
 `--no-trace` plans with the default Zipf skew instead.
+
+`--model demo` validates the trained demo model (`plans/demo`, its own weights) instead: six budgets that hold
+50% to 100% of the bytes its resident plan takes, prompts of held-out Python source, a trace of held-out
+source too (other offsets). Plans are without MTP here (the drafter's decode is `benchmarks/mtp.py`'s).
 """
 
 import argparse
@@ -24,8 +28,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from benchmarks.e2e import CONTEXT, built_weights, measure_links, print_table, run_plan
+from benchmarks.e2e import CONTEXT, built_weights, measure_links, print_table, random_prompts, run_plan
 from codegen.lower.cuda import cuda
+from planner.model import load_model
 from planner.profile import load_profile
 from planner.search import solve
 from planner.units import parse_bytes
@@ -33,9 +38,15 @@ from planner.workload import Workload
 from runtime.calibrate import by_family, timed_nodes
 from runtime.engine import Engine
 from runtime.synthetic import CARD
+from tools.demo import DEMO_PATH, library_files, read_files
 
 BUDGETS_GB = (8, 12, 16, 24, 48, 141)
 PROMPTS = (512, 2048, 4096)
+# the demo model: budgets as fractions of its resident plan's bytes (no cache at 50%, every expert at 100%),
+# prompts within the 1024 positions it was trained on
+DEMO_FRACTIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+DEMO_PROMPTS = (256, 512, 768)
+DEMO_CONTEXT = 1024
 TRUNK_BLOCKS = 48
 
 
@@ -54,28 +65,51 @@ def budget_profile(detected: Path, budget_gb: int, layers: int, folder: Path) ->
     return path
 
 
-def traced_histogram(profile: Path, card: Path, tensors, prompts: int, new_tokens: int, rng) -> tuple:
-    """(the routing counts of `prompts` random prompts of 1024 tokens served by a resident engine, the text
-    of `compare_prefill`'s table on that engine)."""
-    workload = Workload(prompts=((2048, 1.0),), decode_tokens=new_tokens)
-    plan = solve(profile, card, context=CONTEXT, kv="f16", workload=workload)
+def demo_budgets(detected: Path, folder: Path) -> list:
+    """(label, profile) for the demo model: the detected card with VRAM for DEMO_FRACTIONS of the bytes its
+    resident plan takes (the demo is 25 MB: the cards' budgets would all hold it whole)."""
+    resident = solve(detected, DEMO_PATH, context=DEMO_CONTEXT, kv="f16", mtp=False).device_bytes(0)
+    document = yaml.safe_load(detected.read_text())
+    budgets = []
+    for fraction in DEMO_FRACTIONS:
+        for gpu in document["gpus"]:
+            gpu["vram"] = f"{parse_bytes(gpu['reserved']) + int(fraction * resident)} B"
+        document["name"] = f"{detected.stem}-demo-{fraction:.0%}"
+        path = folder / f"{document['name']}.yaml"
+        path.write_text(yaml.safe_dump(document))
+        budgets.append((f"{fraction * resident / 2 ** 20:.1f} MiB ({fraction:.0%})", path))
+    return budgets
+
+
+def text_prompts(rng):
+    """prompt(n): n bytes of held-out Python source (the demo model's vocabulary), from a random offset."""
+    corpus = read_files(library_files()[1])
+    return lambda n: list(corpus[(start := int(rng.integers(0, len(corpus) - n))):start + n])
+
+
+def traced_histogram(profile: Path, card: Path, tensors, prompts: int, new_tokens: int, prompt, tokens: int,
+                     context: int) -> tuple:
+    """(the routing counts of `prompts` prompts of `tokens` tokens (from `prompt(n)`) served by a resident
+    engine, the text of `compare_prefill`'s table on that engine)."""
+    workload = Workload(prompts=((2 * tokens, 1.0),), decode_tokens=new_tokens)
+    plan = solve(profile, card, context=context, kv="f16", workload=workload, mtp=False)
     with Engine(plan, card, tensors=tensors, progress=False) as engine:
         for _ in range(prompts):
-            engine.generate(rng.integers(0, engine.hp.n_vocab, size=1024).tolist(), new_tokens)
+            engine.generate(prompt(tokens), new_tokens)
         counts = engine.trace()["expert_popularity"]["histogram"]
-        comparison = compare_prefill(engine, profile, rng)
+        comparison = compare_prefill(engine, profile, prompt)
     cuda.current_context().deallocations.clear()
-    print(f"traced {prompts} prompts of 1024 tokens: {np.sum(counts):.0f} routings")
+    print(f"traced {prompts} prompts of {tokens} tokens: {np.sum(counts):.0f} routings")
     return tuple(map(tuple, counts)), comparison
 
 
-def compare_prefill(engine, profile: Path, rng) -> str:
+def compare_prefill(engine, profile: Path, prompt) -> str:
     """The engine's prefill of one chunk against the profile's calibration, node family by family (GPU time
     between events), and its wall time: where the prediction of a resident prefill parts from it. Printed, and
     returned as text (the summary repeats it)."""
     chunk = engine.chunk_tokens
     for _ in range(2):
-        out = engine.generate(rng.integers(0, engine.hp.n_vocab, size=chunk).tolist(), 1)
+        out = engine.generate(prompt(chunk), 1)
     gpu = load_profile(profile).gpus[0]
     timed = timed_nodes(engine, gpu, "prefill", chunk, chunk)
     lines = [f"prefill of {chunk} tokens (one chunk), resident: {out.prefill_s * 1e3:.1f} ms wall, nodes' GPU "
@@ -91,9 +125,13 @@ def compare_prefill(engine, profile: Path, rng) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", required=True, help="this machine's profile (stratum profile --detect)")
+    parser.add_argument("--model", choices=("qwen-shape", "demo"), default="qwen-shape",
+                        help="the Qwen3-30B-A3B shape (random weights, --layers blocks, random prompts) or the "
+                        "trained demo model (its own weights, held-out Python source as prompts)")
     parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS_GB))
-    parser.add_argument("--prompts", type=int, nargs="+", default=list(PROMPTS))
+    parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS_GB), help="GB (the Qwen shape)")
+    parser.add_argument("--prompts", type=int, nargs="+", help=f"prompt tokens (default {PROMPTS}, the demo "
+                        f"{DEMO_PROMPTS})")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--trace-prompts", type=int, default=4, help="prompts of 1024 tokens the trace serves")
     parser.add_argument("--no-trace", action="store_true", help="plan with the default skew, not a trace")
@@ -104,21 +142,29 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        card, tensors = built_weights(args.layers, folder)
+        if args.model == "demo":
+            card, tensors, context, prompt, trace_tokens = DEMO_PATH, None, DEMO_CONTEXT, text_prompts(rng), 256
+            budgets = demo_budgets(Path(args.profile), folder)
+            resident = budgets[-1][1]
+            lengths = args.prompts or DEMO_PROMPTS
+            what = f"the demo model ({DEMO_PATH.name}), held-out Python source as prompts"
+        else:
+            card, tensors = built_weights(args.layers, folder)
+            context, prompt, trace_tokens = CONTEXT, random_prompts(rng, load_model(card).hparams.n_vocab), 1024
+            budgets = [(f"{gb} GB", budget_profile(Path(args.profile), gb, args.layers, folder)) for gb in args.budgets]
+            resident = budget_profile(Path(args.profile), 141, args.layers, folder)
+            lengths = args.prompts or PROMPTS
+            what = f"{CARD} shape, {args.layers} blocks, random prompts"
         histogram, comparison = (None, None) if args.no_trace else traced_histogram(
-            budget_profile(Path(args.profile), 141, args.layers, folder), card, tensors, args.trace_prompts,
-            args.new_tokens, rng)
-        for budget in args.budgets:
-            profile = budget_profile(Path(args.profile), budget, args.layers, folder)
-            for prompt in args.prompts:
-                row = run_plan(f"{budget} GB", profile, card, tensors, ceilings, prompt, args.new_tokens, rng,
-                               histogram=histogram)
-                rows.append({"budget": f"{budget} GB", "prompt": prompt, **{k: v for k, v in row.items()
-                                                                               if k != "plan"}})
+            resident, card, tensors, args.trace_prompts, args.new_tokens, prompt, trace_tokens, context)
+        for label, profile in budgets:
+            for tokens in lengths:
+                row = run_plan(label, profile, card, tensors, ceilings, tokens, args.new_tokens, rng,
+                               histogram=histogram, context=context, prompt=prompt)
+                rows.append({"budget": label, "prompt": tokens, **{k: v for k, v in row.items() if k != "plan"}})
                 cuda.current_context().deallocations.clear()
                 print_table(rows[-1:])
-    print(f"\n{CARD} shape, {args.layers} blocks, context {CONTEXT}, {args.new_tokens} new tokens, K/V f16, "
-          f"profile {args.profile}")
+    print(f"\n{what}, context {context}, {args.new_tokens} new tokens, K/V f16, profile {args.profile}")
     print_table(rows)
     if comparison:
         print(f"\n{comparison}\n")
