@@ -70,10 +70,11 @@ def run(plan, model, prompt, draft_depth: int = 0) -> dict:
     with Engine(plan, model, progress=False) as engine:
         taken = None if SIMULATOR else free_before - cuda.current_context().get_memory_info()[0]
         out = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True, draft_depth=draft_depth)
+        lent = engine.stats()["expert_slots_lent"]
     if not SIMULATOR:
         cuda.current_context().deallocations.clear()
     return {"beyond_plan": None if taken is None else taken - plan.device_bytes(0), "logits": out.logits,
-            "tokens": out.tokens}
+            "tokens": out.tokens, "lent": lent}
 
 
 def main():
@@ -104,7 +105,7 @@ def main():
             references[kv] = run(plan, model, prompt)
             resident_kib = plan.device_bytes(0) // 1024
             say(f"reference {kv}: tokens {references[kv]['tokens']}")
-        ran, refused, failures, worst_beyond = 0, 0, [], 0
+        ran, refused, failures, worst_beyond, lending = 0, 0, [], 0, 0
         started = time.perf_counter()
         while ran < args.plans and ran + refused < 4 * args.plans:
             kv, context = str(rng.choice(args.kv)), int(rng.choice(CONTEXTS))
@@ -138,10 +139,12 @@ def main():
             worst_beyond = max(worst_beyond, beyond or 0)
             if not same:
                 failures.append(f"{what}: logits differ from the reference layout's")
-            say(f"{'ok' if same else 'DIFFERS'}       {what} ({layout}): device beyond the plan "
-                f"{'-' if beyond is None else f'{beyond / 2**20:.1f} MiB'}")
-    say(f"\n{ran} plans ran, {refused} budgets refused by the planner, {len(failures)} failures, device memory "
-        f"beyond a plan at most {worst_beyond / 2**20:.1f} MiB, {time.perf_counter() - started:.0f} s")
+            lending += result["lent"] > 0
+            say(f"{'ok' if same else 'DIFFERS'}       {what} ({layout}, {result['lent']} cache slots lent by the "
+                f"K/V ring): device beyond the plan {'-' if beyond is None else f'{beyond / 2**20:.1f} MiB'}")
+    say(f"\n{ran} plans ran ({lending} with K/V pages lent to the cache), {refused} budgets refused by the planner, "
+        f"{len(failures)} failures, device memory beyond a plan at most {worst_beyond / 2**20:.1f} MiB, "
+        f"{time.perf_counter() - started:.0f} s")
     for failure in failures:
         say(f"  {failure}")
     if log:

@@ -347,12 +347,17 @@ class Engine:
         each position q, reading the token at q + 1 and the chunk's hidden state at q (`prompt_hiddens`, pinned:
         a draft step's activations take the arena bytes the chunk's pass left them in)."""
         draft = self._program("draft", 1)
-        window = self.drafter.window_tokens
+        ring, window = self.drafter.ring, self.drafter.window_tokens
+        # a step's attention reads its whole window, which reaches back before the first row this pass stores:
+        # those pages take slots too, so the kernel never follows a page the ring has no slot for (no host copy
+        # behind it), and the ones no pass stored are zeroed (stale bytes could be NaN, and the step's router
+        # would pick expert ids from them); later rows' windows reach only pages stored since
+        reach = range(max(0, positions[0] - window + 1) // ring.page_tokens, positions[0] // ring.page_tokens + 1)
+        unstored = [page % ring.n_slots for page in reach if ring.holds[page % ring.n_slots] != page]
         for i, q in enumerate(positions):
-            # the step's attention reads its whole window, which reaches back before the first row this pass
-            # stores: those pages take their slots too (stale bytes, read only into this step's discarded
-            # logits), so the kernel never follows a page the ring has no slot for (no host copy behind it)
-            self.drafter.ring.claim(max(0, q - window + 1), q + 1, self.compute)
+            ring.claim(max(0, q - window + 1), q + 1, self.compute)
+            if i == 0:
+                ring.clear(unstored, self.compute)
             self._inputs(draft, [token_ids[q - start + 1]], q)
             copy_rows(draft.tensors["hidden_in"], 0, self.prompt_hiddens, i, 1, self.compute)
             # its own graph: a draft step's captures its copies, which read and write `self.hidden`

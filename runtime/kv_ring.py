@@ -55,6 +55,7 @@ class KVRing:
             progress.finish()
         self.holds = np.full(n_slots, -1, np.int64)           # slot -> the page it holds
         self.lent_from = n_slots        # slots lent_from.. are lent to the expert cache
+        self.zero_rows = {}             # (row shape, dtype) -> a pinned row of zeros (`clear`)
         self.pages_index = np.arange(self.full_pages)
         self.staging = cuda.pinned_array(self.full_pages, np.int32)
         self.staging[:] = -1        # no page yet: a pass that claims none (the drafter's, early in a prompt) stores none
@@ -83,6 +84,18 @@ class KVRing:
         if (self.holds[self.lent_from:] >= 0).any():
             self.holds[self.lent_from:] = -1
             self._write_table(stream)
+
+    def clear(self, slots, stream) -> None:
+        """Zero these slots of every layer's pages (copied in from pinned zero rows), so a pass that reads a page
+        no pass has stored reads zeros, not another page's bytes."""
+        for pages in self.pages.values():
+            for array in pages.stored_arrays():
+                key = (array.shape[1:], array.dtype)
+                if key not in self.zero_rows:
+                    self.zero_rows[key] = cuda.pinned_array((1, *array.shape[1:]), array.dtype)
+                    self.zero_rows[key][:] = 0
+                for slot in slots:
+                    copy_rows(array, slot, self.zero_rows[key], 0, 1, stream)
 
     def _write_table(self, stream) -> None:
         slots = self.pages_index % self.n_slots

@@ -183,6 +183,25 @@ def test_topk_ties_go_to_the_lower_index(rng, gating):
     check_topk(logits, bias, k, gating)
 
 
+@pytest.mark.parametrize("gating", pointwise.GATINGS)
+def test_topk_ranks_nan_last_so_ids_stay_distinct_experts(rng, gating):
+    """Non-finite router logits (a drafter reading stale K/V once did) still give k distinct experts in range,
+    the NaN ones last: a kernel indexing slot tables by these ids never reads out of bounds."""
+    n_expert, k = 16, 6
+    bias = router_bias(rng, gating, n_expert)
+    logits = separated_logits(rng, 3, n_expert, k, gating, bias)
+    logits[0, rng.choice(n_expert, size=12, replace=False)] = np.nan     # 4 finite experts, k = 6
+    logits[1] = np.nan
+    ids = run(pointwise.make_topk(n_expert, k, gating), logits, bias, np.full((3, k), -7, np.int32))
+    for row in range(3):
+        assert len(set(ids[row])) == k and all(0 <= e < n_expert for e in ids[row])
+    finite = np.flatnonzero(~np.isnan(logits[0]))
+    assert set(ids[0, :len(finite)]) == set(finite)           # the 4 finite experts first
+    assert list(ids[1]) == list(range(k))                     # all NaN: ties to the lower index
+    np.testing.assert_array_equal(ids[2], reference.route(logits[2:], k, gating,
+                                                          bias if gating == "sigmoid" else None)[0][0])
+
+
 @pytest.mark.parametrize("gating, normalize, scale", [("softmax", True, 1.0), ("softmax", False, 1.0),
                                                       ("sigmoid", True, 2.5), ("sigmoid", False, 1.0)])
 def test_route_weights(rng, gating, normalize, scale):

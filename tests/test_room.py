@@ -167,7 +167,8 @@ def test_the_drafters_own_per_row_pass_gives_the_output_of_the_batched_one(model
     (drafts change acceptance only), and the drafter's K/V of the prompt's rows equal but for the two kernel
     families' rounding. The drafter's window (8 positions) is shorter than the prompt (56, one chunk) and its
     ring holds 2 pages of 16: the first row's window (41..48) reaches back into page 2, which neither pass
-    stores and the ring has no slot for."""
+    stores and the ring has no slot for; the ring's slots and the activations start out NaN (stale bytes), which
+    that page must not be read as (the step's router would pick expert ids from NaN)."""
     workload = Workload(prompts=((56, 1.0),), decode_tokens=4, drafter_window=8)
     plan = solve(write_profile(tmp_path, 600), model, context=128, kv="f32", page_tokens=16, workload=workload,
                  pins={"chunk_tokens": 64})
@@ -176,8 +177,12 @@ def test_the_drafters_own_per_row_pass_gives_the_output_of_the_batched_one(model
     outputs, drafter_kv = [], []
     for drafter_kv_pass in ("batched", "per_row"):
         with Engine(plan, model, progress=False, drafter_kv_pass=drafter_kv_pass) as engine:
+            pages = engine.drafter.ring.pages[engine.drafter.layer]
+            activations = engine.arena.carver("arena").array((engine.arena.regions["arena"].bytes // 4,), np.int32)
+            for data in (pages.k_data, pages.v_data, activations):      # stale bytes: float32 NaN everywhere
+                data.copy_to_device(np.full(data.shape, 0x7FC00000, np.int32))
             outputs.append(engine.generate(prompt, max_new_tokens=2, return_logits=True, draft_depth=1))
-            pages = engine.drafter.ring.pages[engine.drafter.layer]     # a draft step rewrote only the last rows
+            # a draft step rewrote only the last rows
             page_tokens, n_kv = pages.page_tokens, pages.n_head_kv
             rows = []
             for data in (pages.k_data, pages.v_data):       # f32 K/V; the window's rows 48..54 sit in page 3, slot 1

@@ -101,6 +101,13 @@ class KVPages:
     def arrays(self) -> tuple:
         return self.k_data, self.k_scales, self.v_data, self.v_scales
 
+    def stored_arrays(self) -> tuple:
+        """The arrays that hold bytes of their own: data, and scales where the type has them (a float type's
+        scales are a placeholder view of its data)."""
+        return tuple(array for array, quantized in ((self.k_data, True), (self.k_scales, self.kv.k_type in QUANTIZED),
+                                                    (self.v_data, True), (self.v_scales, self.kv.v_type in QUANTIZED))
+                     if quantized)
+
     @property
     def n_slots(self) -> int:
         return self.k_data.shape[0]

@@ -351,8 +351,9 @@ def _biased_sigmoid_score(logit, bias, expert):
 def make_topk(n_expert: int, k: int, gating: str):
     """launch(stream, logits, bias, ids): ids (rows, k) int32, the k best experts of each row best first,
     ties to the lower index; selected on the logits (softmax) or on sigmoid(logit) + bias[e] (sigmoid; bias
-    (n_expert,), a 1-element placeholder for softmax). An expert's rank is the number of experts that beat
-    it, so the order is exact whatever the block's shape; `parts` groups of threads each count the winners
+    (n_expert,), a 1-element placeholder for softmax); a NaN score counts as -inf, so non-finite logits still
+    give k distinct experts (no kernel reads past a slot table). An expert's rank is the number of experts that
+    beat it, so the order is exact whatever the block's shape; `parts` groups of threads each count the winners
     among a slice of the experts (a warp reads one score at a time: a broadcast), then the counts are added."""
     _check_router(n_expert, k, gating)
     score = _logit_score if gating == "softmax" else _biased_sigmoid_score
@@ -370,7 +371,8 @@ def make_topk(n_expert: int, k: int, gating: str):
         beaten_by = cuda.shared.array((parts, n_expert), np.int32)
         if part == 0:
             for e in range(lane, n_expert, lanes):
-                scores[e] = score(logits[row, e], bias, e)
+                value = score(logits[row, e], bias, e)
+                scores[e] = NEG_INF if value != value else value       # NaN ranks last, so ids stay a permutation
         cuda.syncthreads()
         for e in range(lane, n_expert, lanes):
             mine = scores[e]
