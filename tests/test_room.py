@@ -165,15 +165,15 @@ def test_the_drafters_own_per_row_pass_gives_the_output_of_the_batched_one(model
     """The A/B switch of the drafter's prompt K/V: stored by its own draft steps, a row at a time (from the
     prompt pass's hidden states), instead of in the prompt's batched pass: the same greedy tokens and logits
     (drafts change acceptance only), and the drafter's K/V of the prompt's rows equal but for the two kernel
-    families' rounding. The drafter's window (8 positions) is shorter than the prompt (56, one chunk) and its
-    ring holds 2 pages of 16: the first row's window (41..48) reaches back into page 2, which neither pass
+    families' rounding. The drafter's window (4 positions) is shorter than the prompt (28, one chunk) and its
+    ring holds 2 pages of 8: the first row's window (21..24) reaches back into page 2, which neither pass
     stores and the ring has no slot for; the ring's slots and the activations start out NaN (stale bytes), which
     that page must not be read as (the step's router would pick expert ids from NaN)."""
-    workload = Workload(prompts=((56, 1.0),), decode_tokens=4, drafter_window=8)
-    plan = solve(write_profile(tmp_path, 600), model, context=128, kv="f32", page_tokens=16, workload=workload,
-                 pins={"chunk_tokens": 64})
+    workload = Workload(prompts=((28, 1.0),), decode_tokens=4, drafter_window=4)
+    plan = solve(write_profile(tmp_path, 600), model, context=128, kv="f32", page_tokens=8, workload=workload,
+                 pins={"chunk_tokens": 32})
     assert plan.knobs["drafter_kv_pages"] == 2
-    prompt = rng.integers(0, 64, size=56).tolist()
+    prompt = rng.integers(0, 64, size=28).tolist()
     outputs, drafter_kv = [], []
     for drafter_kv_pass in ("batched", "per_row"):
         with Engine(plan, model, progress=False, drafter_kv_pass=drafter_kv_pass) as engine:
@@ -185,9 +185,9 @@ def test_the_drafters_own_per_row_pass_gives_the_output_of_the_batched_one(model
             # a draft step rewrote only the last rows
             page_tokens, n_kv = pages.page_tokens, pages.n_head_kv
             rows = []
-            for data in (pages.k_data, pages.v_data):       # f32 K/V; the window's rows 48..54 sit in page 3, slot 1
+            for data in (pages.k_data, pages.v_data):       # f32 K/V; the window's rows 24..26 sit in page 3, slot 1
                 words = data.copy_to_host()[1].view(np.float32).reshape(n_kv, page_tokens, -1)
-                rows.append(words[:, :len(prompt) - 1 - 48])
+                rows.append(words[:, :len(prompt) - 1 - 24])
             drafter_kv.append(rows)
     assert outputs[0].tokens == outputs[1].tokens and np.array_equal(outputs[0].logits, outputs[1].logits)
     for batched, per_row in zip(*drafter_kv):
