@@ -53,9 +53,9 @@ def test_a_traced_plan_starts_the_cache_with_the_most_routed_experts(tmp_path, r
             assert set(engine.experts.resident[block]) == expected
             table = engine.experts.decode_tables[block].copy_to_host()
             assert set(np.flatnonzero(table >= 0).tolist()) == expected
-            outputs.append(engine.generate(prompt, max_new_tokens=3, return_logits=True))
-        if plan is traced:
-            assert PRIOR_ROUTINGS <= engine.experts.counts[0].sum() <= PRIOR_ROUTINGS + 3 * K
+            outputs.append(engine.generate(prompt, max_new_tokens=2, return_logits=True))
+        if plan is traced:      # the prior, and the one decode step's routings
+            assert np.isclose(engine.experts.counts[0].sum(), PRIOR_ROUTINGS + K)
     assert outputs[0].tokens == outputs[1].tokens
     assert np.array_equal(outputs[0].logits, outputs[1].logits)
 
