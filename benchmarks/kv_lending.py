@@ -28,8 +28,9 @@ from benchmarks.e2e import emulated_profile, measure_links, nearest
 from benchmarks.mtp import decode_rate, propose_at_rate
 from benchmarks.room import CARD, HEADS, resident_bytes
 from codegen.lower.cuda import cuda
+from planner.kv_lending import needed_pages
 from planner.model import load_model
-from planner.search import solve
+from planner.search import PAGE_TOKENS, solve
 from planner.workload import Workload
 from runtime.engine import Engine
 from runtime.synthetic import realistic_weights, reduced_card
@@ -39,7 +40,7 @@ def plans(profile: Path, card: Path, context: int, prompt_tokens: int, new_token
           chunk_tokens: int) -> dict:
     """name -> plan: the ring pinned small, and to the whole context."""
     workload = Workload(prompts=((prompt_tokens, 1.0),), decode_tokens=new_tokens, draft_acceptance=0.8)
-    full_pages = -(-context // 256)
+    full_pages = int(needed_pages(context, PAGE_TOKENS))
     return {f"{pages} pages": solve(profile, card, context=context, kv="f16", mtp=True, workload=workload,
                                     pins={"kv_pages": pages, "chunk_tokens": chunk_tokens})
             for pages in (small_pages, full_pages)}

@@ -44,43 +44,48 @@ def needed_pages(request_tokens, page_tokens: int):
     return -(-np.asarray(request_tokens) // page_tokens)
 
 
-def part_offsets(parts: dict, n_layers: int, ring_pages) -> dict:
-    """(layer, part) -> where that array starts, in bytes from the region's start (ring pages may be a numpy
-    array): the runtime checks its carve against these."""
-    page_bytes = sum(parts.values())
-    offsets = {}
-    for layer in range(n_layers):
-        at = layer * ring_pages * page_bytes
-        for name, part_bytes in parts.items():
-            offsets[layer, name] = at
-            at = at + ring_pages * part_bytes
-    return offsets
+def _starts(parts: dict, n_layers: int, ring_pages) -> np.ndarray:
+    """Where each array starts, in bytes from the region's start: shape (layers, parts, *ring_pages' shape)."""
+    ring = np.asarray(ring_pages)
+    grid = (slice(None), slice(None)) + (None,) * ring.ndim
+    part_bytes = np.array(list(parts.values()), np.int64)
+    layers = np.arange(n_layers, dtype=np.int64)[:, None]
+    before = (np.cumsum(part_bytes) - part_bytes)[None, :]          # a page's bytes of the arrays before it
+    return (layers * part_bytes.sum())[grid] * ring + before[grid] * ring
+
+
+def part_offsets(parts: dict, n_layers: int, ring_pages: int) -> dict:
+    """(layer, part) -> where that array starts, in bytes from the region's start: the runtime checks its
+    carve against these."""
+    starts = _starts(parts, n_layers, ring_pages)
+    return {(layer, name): int(starts[layer, i]) for layer in range(n_layers) for i, name in enumerate(parts)}
 
 
 def _lent_ranges(parts: dict, n_layers: int, ring_pages, request_tokens, page_tokens: int, slot_bytes: int):
-    """(layer, part, first slot, end slot) of the expert slots wholly inside each array's unreached pages,
-    slots counted from the region's start (numpy arrays of ring pages broadcast; end <= first: none)."""
-    request_pages = np.minimum(needed_pages(request_tokens, page_tokens), ring_pages)
-    for (layer, name), start in part_offsets(parts, n_layers, ring_pages).items():
-        first_byte = start + request_pages * parts[name]
-        end_byte = start + ring_pages * parts[name]
-        yield layer, name, -(-first_byte // slot_bytes), end_byte // slot_bytes
+    """(first slot, end slot) of the expert slots wholly inside each array's unreached pages, slots counted
+    from the region's start, shaped (layers, parts, *broadcast shape of ring pages and request tokens); end <=
+    first: none. One numpy expression for every layer, so the search prices its whole grid at once."""
+    ring = np.asarray(ring_pages)
+    request_pages = np.minimum(needed_pages(request_tokens, page_tokens), ring)
+    grid = (slice(None), slice(None)) + (None,) * np.ndim(request_pages)
+    part_bytes = np.array(list(parts.values()), np.int64)[None, :][grid]
+    starts = _starts(parts, n_layers, ring)
+    first_byte = starts + request_pages * part_bytes
+    end_byte = starts + ring * part_bytes
+    return -(-first_byte // slot_bytes), end_byte // slot_bytes
 
 
 def lent_slot_count(parts: dict, n_layers: int, ring_pages, request_tokens, page_tokens: int, slot_bytes: int):
     """Expert slots a request of `request_tokens` positions lends (numpy arrays of ring pages broadcast; 0
     where the request needs every page of the ring)."""
-    total = np.zeros(np.shape(ring_pages), np.int64)
-    for _layer, _name, first, end in _lent_ranges(parts, n_layers, np.asarray(ring_pages), request_tokens,
-                                                  page_tokens, slot_bytes):
-        total = total + np.maximum(0, end - first)
-    return total
+    first, end = _lent_ranges(parts, n_layers, ring_pages, request_tokens, page_tokens, slot_bytes)
+    return np.maximum(0, end - first).sum(axis=(0, 1))
 
 
 def lent_slots(parts: dict, n_layers: int, ring_pages: int, request_tokens: int, page_tokens: int,
                slot_bytes: int) -> list[LentSlot]:
     """Every expert slot a request of `request_tokens` positions lends, in ascending slot order."""
+    first, end = _lent_ranges(parts, n_layers, ring_pages, request_tokens, page_tokens, slot_bytes)
     return [LentSlot(slot, layer, name)
-            for layer, name, first, end in _lent_ranges(parts, n_layers, ring_pages, request_tokens, page_tokens,
-                                                        slot_bytes)
-            for slot in range(int(first), int(end))]
+            for layer in range(n_layers) for i, name in enumerate(parts)
+            for slot in range(int(first[layer, i]), int(end[layer, i]))]

@@ -33,10 +33,9 @@ from planner.workload import Workload
 MAX_DRAFT_DEPTH = 4
 # Driver calls the engine (runtime.engine) makes from Python around each pass it replays, each priced at the
 # profile's `kernel_launch` (a launch or a copy issued from Python): a decode window's and a draft step's
-# input and output copies are part of their captured graphs, so each is one graph launch.
-# tests/test_engine.py counts them.
+# input and output copies (the drafter's hidden states too) are part of their captured graphs, so each is one
+# graph launch. tests/test_engine.py counts them.
 WINDOW_HOST_CALLS = 1
-DRAFTER_WINDOW_HOST_CALLS = 0
 DRAFT_STEP_HOST_CALLS = 1
 CHUNK_SAMPLES = 8       # chunks priced per prompt; a longer prompt's chunks are sampled evenly and scaled
 
@@ -152,9 +151,8 @@ class DeviceCost:
         experts_s = ((total - miss) / g.memory_bandwidth_bytes_per_s
                      + miss / g.zero_copy_read_bytes_per_s) / cost.expert_efficiency
         streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.host_to_device_bytes_per_s
-        host_calls = WINDOW_HOST_CALLS + DRAFTER_WINDOW_HOST_CALLS * self.mtp
         return (cost.dense_s(depth, resident) + streamed_kv + experts_s + len(self.moe_blocks) * cost.expert_compute_s
-                + cost.n_nodes * g.graph_node_overhead_s + self._host_calls_s(host_calls))
+                + cost.n_nodes * g.graph_node_overhead_s + self._host_calls_s(WINDOW_HOST_CALLS))
 
     def _host_calls_s(self, calls: int) -> float:
         """The engine's Python calls around a pass, counted once: on the GPU that holds the head."""

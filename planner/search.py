@@ -48,6 +48,7 @@ class Problem:
     costs: list             # DeviceCost per GPU
     fixed_sizes: list       # per GPU: the regions no knob changes (layout.fixed_region_sizes)
     arenas: dict = field(default_factory=dict)     # chunk tokens -> arena bytes, memoised
+    lent: dict = field(default_factory=dict)       # (GPU, request tokens) -> lent slots per ring size, memoised
 
     def fixed_bytes(self, device: int) -> int:
         return sum(aligned(size) for size in self.fixed_sizes[device].values())
@@ -124,11 +125,20 @@ class Problem:
     def decode_cache_slots(self, pages, cache_slots: list, depth) -> list:
         """Per GPU, the cache slots decode has at `depth`: the plan's, and those the K/V ring's unreached pages
         lend (planner.kv_lending; numpy arrays of pages and slots broadcast)."""
-        hp = self.model.hparams
-        parts = page_parts(self.kv, self.page_tokens, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v)
-        return [slots + lent_slot_count(parts, len(share.blocks), pages, self.request_tokens(depth), self.page_tokens,
-                                        self.slot_bytes)
-                for share, slots in zip(self.shares, cache_slots)]
+        request = int(self.request_tokens(depth))
+        return [slots + self._lent_by_pages(device, request)[np.asarray(pages)]
+                for device, slots in enumerate(cache_slots)]
+
+    def _lent_by_pages(self, device: int, request_tokens: int) -> np.ndarray:
+        """[ring pages] -> the slots a request lends, for every ring size up to the whole context (the search
+        prices thousands of layouts, but a ring has at most full_pages sizes)."""
+        key = (device, request_tokens)
+        if key not in self.lent:
+            hp = self.model.hparams
+            parts = page_parts(self.kv, self.page_tokens, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v)
+            self.lent[key] = lent_slot_count(parts, len(self.shares[device].blocks), np.arange(self.full_pages + 1),
+                                             request_tokens, self.page_tokens, self.slot_bytes)
+        return self.lent[key]
 
 
 @dataclass

@@ -321,7 +321,8 @@ class ExpertStore:
             filled = incoming[:len(free)]
             for expert in filled:
                 resident[expert] = free.pop(0)
-            outgoing = sorted((e for e in resident if e not in set(wanted)), key=lambda e: (counts[e], e))
+            keep = set(wanted)
+            outgoing = sorted((e for e in resident if e not in keep), key=lambda e: (counts[e], e))
             swaps = [(i, o) for i, o in zip(incoming[len(filled):], outgoing) if counts[i] > counts[o]]
             for expert, out in swaps:
                 resident[expert] = resident.pop(out)

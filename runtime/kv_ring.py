@@ -39,11 +39,12 @@ class KVRing:
         carver = arena.carver(region, alignment=4)
         self.parts = page_parts(kv, page_tokens, hparams.n_head_kv, hparams.head_dim_k, hparams.head_dim_v)
         offsets = part_offsets(self.parts, len(layers), n_slots)
+        first_part = next(iter(self.parts))
         self.pages = {}
         for i, layer in enumerate(layers):
-            if carver.used != offsets[i, next(iter(self.parts))]:
+            if carver.used != offsets[i, first_part]:
                 raise StratumError(f"layer {layer}'s K/V pages start at byte {carver.used} of {region}, not at the "
-                                   f"{offsets[i, next(iter(self.parts))]} planner.kv_lending counts")
+                                   f"{offsets[i, first_part]} planner.kv_lending counts")
             self.pages[layer] = layout(n_slots).carve(carver.array)
         self.host = {}          # layer -> the host copy of its pages (none when the ring holds the context)
         if host_copy and n_slots < self.full_pages:
