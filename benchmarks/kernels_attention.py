@@ -21,9 +21,13 @@ Versions (decode):
       dequantized once into shared memory (the next tile's words in flight meanwhile), 16-dim query slices in
       registers against each K row, P V over 4 token subsets; values unpacked from words in software
       (codegen.lower.attention with Tuning(convert=frozenset()))
-  v4  production: v3 with f16 (and f32) tiles read through a float16 view, converted by hardware (one cvt
-      a value instead of ~12 instructions); "v4 +q8" converts q8_0 too (int8 view, I2F, times the scale)
-With --sweep, v4 is timed under other block cuts (`attention.Tuning`) as well.
+  v4  v3 with f16 (and f32) tiles read through a float16 view, converted by hardware (one cvt a value
+      instead of ~12 instructions); "v4 +q8" converts q8_0 too (int8 view, I2F, times the scale); the
+      prefill kernel's cut today
+  v5  production (codegen.lower.attention_decode): a warp per tile of 32 positions, a lane per position for
+      the scores (its K row read straight from the page, 4 chunks in flight) and per V dims for P V (4 rows
+      in flight), the tile's max by shuffles, DECODE_WARPS warps a block merged at the end
+With --sweep, v4 is timed under other block cuts (`attention.Tuning`) and v5 with other warps a block.
 """
 
 import math
@@ -36,6 +40,7 @@ from runtime.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_byte
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import attention as att
 from codegen.lower.attention_combine import make_attention_combine
+from codegen.lower.attention_decode import DECODE_WARPS, make_decode_attention
 from codegen.lower import kv_pages
 from codegen.lower.cuda import cuda
 from planner.kv import parse_kv_type, row_bytes
@@ -194,7 +199,7 @@ def _simple_decode(kv_name: str, split: bool):
     return launch
 
 
-def decode_runs(layers: Layers, rows: int, version: str, tuning: att.Tuning):
+def decode_runs(layers: Layers, rows: int, version: str, cut):
     """(enqueue functions, one per layer, and the output array of layer 0) for a decode window of `rows`."""
     s = QWEN3_30B
     positions = cuda.to_device(np.arange(layers.context - rows, layers.context, dtype=np.int32))
@@ -206,9 +211,12 @@ def decode_runs(layers: Layers, rows: int, version: str, tuning: att.Tuning):
     partials = cuda.device_array((rows, s["n_head"], ATTENTION_SPLITS, s["dv"] + 2), np.float32)
     if version == "v2":
         launch = _simple_decode(layers.kv_name, split=True)
+    elif version == "v5":
+        launch = make_decode_attention(layers.kv_name, s["n_head"], s["n_head_kv"], s["dk"], s["dv"],
+                                       s["page_tokens"], warps=cut)
     else:
         launch = att._attention_launch("decode", layers.kv_name, s["n_head"], s["n_head_kv"], s["dk"], s["dv"],
-                                       s["page_tokens"], tuning)
+                                       s["page_tokens"], cut)
     combine = make_attention_combine(s["n_head"], s["dv"])
 
     def enqueue(stream, pages):
@@ -217,9 +225,9 @@ def decode_runs(layers: Layers, rows: int, version: str, tuning: att.Tuning):
     return [lambda stream, p=p: enqueue(stream, p) for p in layers.layers], out
 
 
-def decode_row(layers: Layers, rows: int, version: str, label: str, bandwidth: float, peak: float,
-               tuning: att.Tuning) -> list:
-    enqueues, out = decode_runs(layers, rows, version, tuning)
+def decode_row(layers: Layers, rows: int, version: str, label: str, bandwidth: float, peak: float, cut) -> list:
+    """cut: the v3/v4 kernel's `attention.Tuning`, or v5's warps a block."""
+    enqueues, out = decode_runs(layers, rows, version, cut)
     enqueues[0](cuda.default_stream())
     got = out.copy_to_host()
     err = relative_error(got, layers.window_reference(rows))
@@ -244,7 +252,10 @@ def decode_versions(rng, bandwidth: float, peak: float, sweep: bool) -> None:
             for label, tuning in VERSIONS.items():
                 if label != "v4 +q8" or kv_name == "q8_0":
                     rows.append(decode_row(layers, window, "tiled", label, bandwidth, peak, tuning))
+            rows.append(decode_row(layers, window, "v5", "v5", bandwidth, peak, DECODE_WARPS))
             if sweep:
+                for warps in (2, 6):
+                    rows.append(decode_row(layers, window, "v5", f"v5 {warps} warps", bandwidth, peak, warps))
                 for tuning in SWEEP:
                     label = (f"v4 {tuning.tile} x{tuning.threads}{' hold q' if tuning.hold_q else ''}"
                              f"{' +q8' if T.Q8_0 in tuning.convert else ''}")

@@ -13,6 +13,7 @@ from gguf.constants import GGMLQuantizationType as T
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import MAX_WINDOW
 from codegen.lower import attention as att
+from codegen.lower.attention_decode import DECODE_WARPS, LANES as DECODE_TILE, make_decode_attention
 from codegen.lower.attention_combine import make_attention_combine
 from codegen.lower import kv_pages
 from codegen.lower.cuda import cuda, mapped_filled
@@ -68,13 +69,15 @@ class Setup:
                self.d_table, self.pages, out, host_pages)
         return out.copy_to_host()
 
-    def decode(self, positions, tuning=att.TUNING, host_pages=None, window=0):
+    def decode(self, positions, host_pages=None, window=0, warps=DECODE_WARPS):
         """(partials, combined output) of one decode window at `positions`."""
         rows = len(positions)
         partials = cuda.to_device(np.full((rows, self.n_head, ATTENTION_SPLITS, self.dv + 2), np.nan, np.float32))
         out = cuda.to_device(np.full((rows, self.n_head * self.dv), np.nan, np.float32))
-        launch = att._attention_launch("decode", self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv,
-                                       self.page_tokens, tuning, window)
+        launch = (att.make_attention("decode", self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv,
+                                     self.page_tokens, window) if warps == DECODE_WARPS else
+                  make_decode_attention(self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv, self.page_tokens,
+                                        window, warps))
         launch(0, cuda.to_device(self.q[positions - self.q_from]), cuda.to_device(positions.astype(np.int32)),
                self.d_table, self.pages, partials, host_pages)
         make_attention_combine(self.n_head, self.dv)(0, partials, out)
@@ -238,19 +241,18 @@ def test_prefill_with_one_buffer_for_both_partials(rng):
 
 @pytest.mark.parametrize("kv_name", KV_NAMES)
 def test_hardware_and_software_conversion_agree_bitwise(rng, kv_name):
-    """Tiles read through typed views (converted by hardware) hold the values the software unpacking gives, so
-    every result is bitwise the same, prefill and decode."""
+    """Prefill tiles read through typed views (converted by hardware) hold the values the software unpacking
+    gives, so every result is bitwise the same."""
     setup = Setup(rng, kv_name, 21, n_head=2, n_head_kv=1)
     software = att.Tuning(convert=frozenset())
     hardware = att.Tuning(convert=frozenset(att._VIEWS))
     positions = np.arange(9, 21)
     np.testing.assert_array_equal(setup.prefill(positions, hardware), setup.prefill(positions, software))
-    np.testing.assert_array_equal(setup.decode(positions[-3:], hardware)[0], setup.decode(positions[-3:], software)[0])
 
 
 def test_hardware_conversion_of_other_types_is_refused():
     with pytest.raises(StratumError, match="not Q4_0"):
-        att._attention_launch("decode", "q4_0", 2, 1, 32, 32, 4, att.Tuning(convert=frozenset({T.Q4_0})))
+        att._attention_launch("prefill", "q4_0", 2, 1, 32, 32, 4, att.Tuning(convert=frozenset({T.Q4_0})))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -264,7 +266,7 @@ def test_decode_matches_the_reference(rng, kv_name, n_head, n_head_kv):
     positions = np.arange(20, 23)              # a window of 3 across a page boundary
     partials, got = setup.decode(positions)
     assert _relative(got, setup.reference(positions)) < TOLERANCE
-    used = -(-23 // setup.page_tokens)         # splits 0..5 hold a page each; the rest are neutral
+    used = -(-23 // DECODE_TILE)               # split 0 holds the one tile; the rest are neutral
     assert np.isfinite(partials[:, :, :used]).all()
     assert (partials[:, :, used:, 0] == -np.inf).all()
     assert not partials[:, :, used:, 1:].any()
@@ -281,13 +283,16 @@ def test_decode_windows_give_the_rows_of_single_steps(rng):
     assert _relative(out, setup.reference(np.arange(17, 22))) < TOLERANCE
 
 
-def test_decode_splits_take_every_64th_page(rng):
-    pages = ATTENTION_SPLITS + 3
-    setup = Setup(rng, "f16", pages * 4 - 1, n_head=2, n_head_kv=1)
-    positions = np.arange(pages * 4 - 3, pages * 4 - 1)
-    partials, got = setup.decode(positions)
+@pytest.mark.parametrize("warps", [DECODE_WARPS, 2])
+def test_decode_splits_take_every_64th_tile(rng, warps):
+    """Splits 0..2 hold two tiles: with two warps a block, each warp takes one and the block merges them."""
+    tiles = ATTENTION_SPLITS + 3
+    ctx = tiles * DECODE_TILE - 1
+    setup = Setup(rng, "f16", ctx, n_head=2, n_head_kv=1, page_tokens=64)
+    positions = np.arange(ctx - 2, ctx)
+    partials, got = setup.decode(positions, warps=warps)
     assert _relative(got, setup.reference(positions)) < TOLERANCE
-    assert np.isfinite(partials).all()        # every split holds a page: splits 0..2 hold two
+    assert np.isfinite(partials).all()        # every split holds a tile
 
 
 def test_a_drafters_window_reads_only_its_last_positions(rng):
@@ -351,14 +356,14 @@ def test_gpu_stored_bytes_at_qwen3_shape(rng, kv_name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_name, tuning", GPU_CASES)
-def test_gpu_decode_at_qwen3_shape(rng, kv_name, tuning):
-    base = ATTENTION_SPLITS * 256 + 300             # 66 pages: splits 0 and 1 hold two
+@pytest.mark.parametrize("kv_name", KV_NAMES)
+def test_gpu_decode_at_qwen3_shape(rng, kv_name):
+    base = ATTENTION_SPLITS * 256 + 300             # 522 tiles of 32: splits 0..9 hold 9, the rest 8
     setup = Setup(rng, kv_name, base + 5, q_from=base, **QWEN)
     reference = setup.reference(np.arange(base, base + 5))
-    singles = [setup.decode(np.array([p]), tuning) for p in range(base, base + 5)]
+    singles = [setup.decode(np.array([p])) for p in range(base, base + 5)]
     for window in range(1, 6):
-        partials, out = setup.decode(np.arange(base, base + window), tuning)
+        partials, out = setup.decode(np.arange(base, base + window))
         for row in range(window):
             np.testing.assert_array_equal(partials[row], singles[row][0][0], err_msg=f"window {window} row {row}")
         assert _relative(out, reference[:window]) < TOLERANCE

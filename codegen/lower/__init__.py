@@ -23,7 +23,8 @@ Conventions every kernel keeps:
       prefill family: any chunk size gives bitwise the same per-token results;
       decode family: a window of 1..MAX_WINDOW rows gives bitwise the rows of a window of 1, and the window
       reads each weight once.
-  - No warp shuffles (the simulator has none): reductions go through shared memory.
+  - Warp shuffles only through the shim's `warp_max` and `warp_sum` (fixed order; the simulator, which has no
+    shuffles, gets them emulated there); other reductions go through shared memory.
 """
 
 MAX_WINDOW = 8      # rows a decode-family launch holds: a decode step, or a verify window of 1 + 7 drafts

@@ -34,6 +34,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import FAMILIES, MAX_WINDOW
+from codegen.lower.attention_decode import make_decode_attention
 from codegen.lower.cuda import cuda, launch_kernel
 from codegen.lower.kv_pages import (ELEMENTS_PER_WORD, QUANT_BLOCK, QUANTIZED, check_head_dims,
                                      converted_element_format, element_format, host_arrays, kv_types)
@@ -543,12 +544,18 @@ def _attention_launch(family: str, kv_type_name, n_head: int, n_head_kv: int, he
 def make_attention(family: str, kv_type_name, n_head: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
                    page_tokens: int, window_tokens: int = 0):
     """prefill: launch(stream, q, positions, page_table, pages, out, host_pages=None); decode: launch(stream,
-    q, positions, page_table, pages, partials, host_pages=None). q f32 (rows, n_head*dk) with RoPE applied,
-    at int32 `positions`, reads the positions 0..p already stored: a page from its slot, or from `host_pages`
-    (the whole context in mapped host memory, page p at index p) when the page table says -1; out f32
-    (rows, n_head*dv); partials f32 (rows, n_head, 64, dv + 2). window_tokens > 0: a row at position p reads
-    only positions p - window_tokens + 1 .. p (the drafter's window: its ring holds no older pages)."""
+    q, positions, page_table, pages, partials, host_pages=None) (`codegen.lower.attention_decode`). q f32
+    (rows, n_head*dk) with RoPE applied, at int32 `positions`, reads the positions 0..p already stored: a page
+    from its slot, or from `host_pages` (the whole context in mapped host memory, page p at index p) when the
+    page table says -1; out f32 (rows, n_head*dv); partials f32 (rows, n_head, 64, dv + 2). window_tokens > 0:
+    a row at position p reads only positions p - window_tokens + 1 .. p (the drafter's window: its ring holds
+    no older pages)."""
     if window_tokens < 0:
         raise ValueError(f"window_tokens {window_tokens}: 0 (the whole context) or more")
+    if family == "decode":
+        kv_types(kv_type_name)
+        _check_attention(family, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens)
+        return make_decode_attention(kv_type_name, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens,
+                                     window_tokens)
     return _attention_launch(family, kv_type_name, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens, TUNING,
                              window_tokens)

@@ -2,7 +2,8 @@
 
 numba-cuda is in maintenance; moving to its successor should change this file only. Under
 `NUMBA_ENABLE_CUDASIM=1` the same kernels run on the CPU in numba's simulator, which lacks warp shuffles and
-runs libdevice bit casts wrongly: kernels reduce through shared memory, and bit casts come from here.
+runs libdevice bit casts wrongly: kernels reduce through shared memory, and bit casts come from here; the
+warp-level reductions kernels use (`warp_max`, `warp_sum` in a fixed butterfly order) are emulated for it here.
 """
 
 import ctypes
@@ -16,6 +17,7 @@ from numba.core import types as _numba_types
 from codegen.lower import kernel_cache
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
+WARP_MAX_VALUES = 64     # values one warp_max or warp_sum call reduces at most
 
 # Kernels use this module object (`from codegen.lower.cuda import cuda`; `cuda.jit`, `cuda.grid(1)`,
 # `cuda.shared.array`, `cuda.syncthreads()`, `cuda.to_device`, ...): the simulator swaps a global that *is*
@@ -114,6 +116,91 @@ else:
         if element not in (_numba_types.int32, _numba_types.float32):
             return None
         return signature, codegen
+
+
+if SIMULATOR:
+    def f16x2_to_f32(word):
+        """The two float16 values packed in int32 `word` (element 0 in the low half) as float32, exactly."""
+        halves = np.array([word], dtype=np.int32).view(np.float16)
+        return np.float32(halves[0]), np.float32(halves[1])
+
+    @cuda.jit(device=True)
+    def syncwarp():
+        """A barrier for the lanes of a warp; the simulator, which has none, waits for the whole block (so a
+        kernel must reach it the same number of times in every warp)."""
+        cuda.syncthreads()
+
+    def _butterfly(values, count, combine):
+        """values[i] = the GPU's xor butterfly of combine over the warp's lanes, for i < count, through shared
+        memory: each step combines a lane's value with the lane `step` away, own value first. The simulator
+        waits for the whole block twice: every warp must call it the same number of times."""
+        exchange = cuda.shared.array((1024, WARP_MAX_VALUES), np.float32)
+        tid = cuda.threadIdx.x
+        first = tid - tid % 32
+        cuda.syncthreads()
+        for i in range(count):
+            exchange[tid, i] = values[i]
+        cuda.syncthreads()
+        for i in range(count):
+            lanes = [exchange[first + lane, i] for lane in range(32)]
+            for step in (16, 8, 4, 2, 1):
+                lanes = [np.float32(combine(lanes[lane], lanes[lane ^ step])) for lane in range(32)]
+            values[i] = lanes[tid % 32]
+
+    @cuda.jit(device=True)
+    def warp_max(values, count):
+        """values[i] = its largest value across the warp's lanes, for i < count."""
+        _butterfly(values, count, max)
+
+    @cuda.jit(device=True)
+    def warp_sum(values, count):
+        """values[i] = the sum of its values across the warp's lanes, for i < count, in the GPU's order."""
+        _butterfly(values, count, lambda a, b: a + b)
+else:
+    @_intrinsic
+    def f16x2_to_f32(typingctx, word):
+        """The two float16 values packed in int32 `word` (element 0 in the low half) as float32: two hardware
+        conversions (exact for every half, subnormals and infinities too), where unpacking the bits in software
+        takes about eight instructions a value."""
+        signature = _numba_types.UniTuple(_numba_types.float32, 2)(word)
+
+        def codegen(context, builder, sig, args):
+            f32 = _ir.FloatType()
+            convert = _ir.InlineAsm(_ir.FunctionType(_ir.LiteralStructType([f32, f32]), [_ir.IntType(32)]),
+                                    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; "
+                                    "cvt.f32.f16 $1, hi; }", "=f,=f,r")
+            converted = builder.call(convert, args)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(converted, k) for k in range(2)])
+
+        if word != _numba_types.int32:
+            return None
+        return signature, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def syncwarp():
+        """A barrier for the lanes of a warp (the simulator waits for the whole block instead)."""
+        cuda.syncwarp(0xFFFFFFFF)
+
+    @cuda.jit(device=True, inline=True)
+    def warp_max(values, count):
+        """values[i] = its largest value across the warp's lanes, for i < count: a butterfly of shuffles
+        (every lane must take part)."""
+        for i in range(count):
+            top = values[i]
+            for step in (16, 8, 4, 2, 1):
+                top = max(top, cuda.shfl_xor_sync(0xFFFFFFFF, top, step))
+            values[i] = top
+
+    @cuda.jit(device=True, inline=True)
+    def warp_sum(values, count):
+        """values[i] = the sum of its values across the warp's lanes, for i < count: a butterfly of shuffles,
+        which gives every lane the same bits (each step adds the same two numbers on both lanes), in a fixed
+        order (every lane must take part)."""
+        for i in range(count):
+            total = values[i]
+            for step in (16, 8, 4, 2, 1):
+                total = total + cuda.shfl_xor_sync(0xFFFFFFFF, total, step)
+            values[i] = total
 
 
 def aligned16(array) -> bool:
@@ -393,4 +480,4 @@ class CapturedGraph:
 
 __all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
            "mapped_device_view", "mapped_filled", "mapped_host_view", "event_done", "launch_kernel", "kernel_counts",
-           "copy_rows", "load4", "aligned16"]
+           "copy_rows", "load4", "aligned16", "f16x2_to_f32", "syncwarp", "warp_max", "warp_sum", "WARP_MAX_VALUES"]
