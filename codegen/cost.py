@@ -79,7 +79,6 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
     with_globals: (runs the embedding, runs the output head), for a device holding part of the blocks.
     """
     hp = model.hparams
-    weight_bytes = model.tensor_bytes
     represented = {}            # representative block -> the blocks it stands for
     for block in blocks:
         represented.setdefault(representative_of(hp, block), []).append(block)
@@ -111,14 +110,17 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
             cost.expert_compute_s += fitted_s(fit, max(node["flops"] / gpu.fp32_flops,
                                                        moved / gpu.memory_bandwidth_bytes_per_s))
             continue
-        for block in stands_for:
-            weights = node["weight_bytes"] if block is None or block == rep else \
-                sum(weight_bytes[w.replace(f"blk.{rep}.", f"blk.{block}.", 1)] for w in node["weights"])
-            seconds = fitted_s(fit, max(node["flops"] / gpu.fp32_flops,
-                                        (moved + weights) / gpu.memory_bandwidth_bytes_per_s))
-            cost.fixed_s += seconds
-            if block is not None and block == rep and hp.is_moe_layer(rep):
-                cost.block_fixed_s += seconds
+        if stands_for == [None]:
+            weights = np.array([node["weight_bytes"]], dtype=np.float64)
+        else:
+            weights = model.block_weight_bytes(tuple(node["weights"]), rep, tuple(stands_for))
+            if rep in stands_for:       # the representative's own bytes, as its node counts them
+                weights = np.where(np.array(stands_for) == rep, node["weight_bytes"], weights)
+        seconds = fitted_s(fit, np.maximum(node["flops"] / gpu.fp32_flops,
+                                           (moved + weights) / gpu.memory_bandwidth_bytes_per_s))
+        cost.fixed_s += float(seconds.sum())
+        if rep is not None and rep in stands_for and hp.is_moe_layer(rep):
+            cost.block_fixed_s += float(seconds[stands_for.index(rep)])
     return cost
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
+
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from planner.architecture import EXPERT_ROLES, HParams, hparams_from_metadata, tensor_layer, tensor_layout, tensor_role
@@ -87,6 +89,21 @@ class Model:
     def tensor_bytes(self) -> dict:
         """Tensor name -> bytes as stored."""
         return {t.name: t.n_bytes for t in self.tensors}
+
+    def block_weight_bytes(self, weights: tuple, representative: int, blocks: tuple) -> np.ndarray:
+        """Bytes of a representative block's tensors `weights` as each of `blocks` stores them (blocks of one
+        kind hold the same tensors, each with its own bytes), remembered: the solver prices the same nodes
+        for every candidate pass."""
+        key = (weights, representative, blocks)
+        cache = self._block_weight_bytes
+        if key not in cache:
+            cache[key] = np.array([sum(self.tensor_bytes[w.replace(f"blk.{representative}.", f"blk.{b}.", 1)]
+                                       for w in weights) for b in blocks], dtype=np.float64)
+        return cache[key]
+
+    @cached_property
+    def _block_weight_bytes(self) -> dict:
+        return {}
 
     def bytes_of(self, cls: str) -> int:
         return sum(t.n_bytes for t in self.tensors if self.tensor_class[t.name] == cls)

@@ -171,8 +171,9 @@ class DeviceCost:
                 + cost.n_nodes * self.gpu.graph_node_overhead_s + self._host_calls_s(DRAFT_STEP_HOST_CALLS))
 
     # --- prefill ---------------------------------------------------------------------------------------
-    def chunk_s(self, tokens: int, context, cache_slots, ring_slots, resident_tokens):
-        """One prefill chunk of `tokens` positions ending at `context`. A short (last) chunk is priced from the
+    def chunk_s(self, tokens: int, context, ring_slots, resident_tokens, streaming):
+        """One prefill chunk of `tokens` positions ending at `context`, its experts' streaming priced by
+        `chunk_streaming` (the same for every chunk of that size). A short (last) chunk is priced from the
         graph of the next power of two, scaled: its arithmetic is linear in its positions."""
         g = self.gpu
         graph_tokens = 1 << (tokens - 1).bit_length()
@@ -184,21 +185,34 @@ class DeviceCost:
         compute = scale * cost.dense_s(context, resident) + cost.n_nodes * g.graph_node_overhead_s
         if not self.moe_blocks:
             return np.maximum(compute, streamed_kv_bytes / g.host_to_device_bytes_per_s)
+        (expert_compute, touched_read_s, streamed_bytes, streamed_count, stall_per_expert, streaming_blocks, copy,
+         launch_s) = streaming
+        compute = compute + expert_compute + touched_read_s
+        idle_per_block = np.maximum(0.0, scale * cost.block_s(context, resident) - (ring_slots - 1) * copy)
+        stream = ((streamed_bytes + streamed_kv_bytes) / g.host_to_device_bytes_per_s
+                  + streamed_count * stall_per_expert + streaming_blocks * idle_per_block)
+        return np.maximum(np.maximum(compute, stream), launch_s)
+
+    def chunk_streaming(self, tokens: int, cache_slots, ring_slots):
+        """What a chunk of `tokens` positions costs in experts, whatever its context: (their arithmetic, their
+        reads from VRAM, bytes and count streamed, the ring's stall per streamed expert, blocks still streaming,
+        a typical expert's copy, the host's time to issue the chunk)."""
+        g = self.gpu
+        if not self.moe_blocks:
+            return None
+        graph_tokens = 1 << (tokens - 1).bit_length()
+        cost = self.cost("prefill", graph_tokens)
         miss_table, count_table, touched_bytes, touched_count = self.window_tables(tokens)
         streamed_bytes = miss_table.total(cache_slots)
         streamed_count = count_table.total(cache_slots)
-        expert_compute = scale * len(self.moe_blocks) * cost.expert_compute_s
-        compute = compute + expert_compute + touched_bytes / g.memory_bandwidth_bytes_per_s
+        expert_compute = tokens / graph_tokens * len(self.moe_blocks) * cost.expert_compute_s
         per_expert_compute = expert_compute / max(touched_count, 1e-9)
         copy = self.mean_blob / g.host_to_device_bytes_per_s     # a typical expert's copy, for the ring's stalls
         slot_cycle = g.copy_latency_s + copy + per_expert_compute
         stall_per_expert = np.maximum(0.0, slot_cycle / ring_slots - copy)
-        idle_per_block = np.maximum(0.0, scale * cost.block_s(context, resident) - (ring_slots - 1) * copy)
-        streaming_blocks = self._blocks_streaming(cache_slots)
-        stream = ((streamed_bytes + streamed_kv_bytes) / g.host_to_device_bytes_per_s
-                  + streamed_count * stall_per_expert + streaming_blocks * idle_per_block)
-        return np.maximum(np.maximum(compute, stream), self._launch_s(cost.n_nodes, streamed_count, cache_slots,
-                                                                       ring_slots))
+        return (expert_compute, touched_bytes / g.memory_bandwidth_bytes_per_s, streamed_bytes, streamed_count,
+                stall_per_expert, self._blocks_streaming(cache_slots), copy,
+                self._launch_s(cost.n_nodes, streamed_count, cache_slots, ring_slots))
 
     def _launch_s(self, n_nodes: int, streamed_count, cache_slots, ring_slots):
         """Host time to issue a chunk from Python, one `kernel_launch` a call: every node's kernel, and per
@@ -227,8 +241,11 @@ class DeviceCost:
         samples = range(n_chunks) if n_chunks <= CHUNK_SAMPLES else \
             sorted(set(np.linspace(0, n_chunks - 1, CHUNK_SAMPLES).round().astype(int).tolist()))
         total = 0.0
+        streaming = {}          # chunk tokens -> chunk_streaming: full chunks, and a short last one
         for i in samples:
             tokens = min(chunk_tokens, read_tokens - i * chunk_tokens)
-            total = total + self.chunk_s(tokens, start + i * chunk_tokens + tokens, cache_slots, ring_slots,
-                                         resident_tokens)
+            if tokens not in streaming:
+                streaming[tokens] = self.chunk_streaming(tokens, cache_slots, ring_slots)
+            total = total + self.chunk_s(tokens, start + i * chunk_tokens + tokens, ring_slots, resident_tokens,
+                                         streaming[tokens])
         return total * (n_chunks / len(samples))

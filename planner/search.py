@@ -48,6 +48,7 @@ class Problem:
     costs: list             # DeviceCost per GPU
     fixed_sizes: list       # per GPU: the regions no knob changes (layout.fixed_region_sizes)
     arenas: dict = field(default_factory=dict)     # chunk tokens -> arena bytes, memoised
+    pass_arenas: dict = field(default_factory=dict)    # (pass kind, tokens) -> its arena bytes, memoised
     lent: dict = field(default_factory=dict)       # (GPU, request tokens) -> lent slots per ring size, memoised
 
     def fixed_bytes(self, device: int) -> int:
@@ -106,12 +107,19 @@ class Problem:
         return self.arenas[chunk_tokens]
 
     def _arena_bytes(self, chunk_tokens: int) -> int:
-        layers = representative_layers(self.model.hparams)
         passes = [("prefill", chunk_tokens), ("decode", 1 + (MAX_DRAFT_DEPTH if self.mtp else 0))]
         if self.mtp:
             passes.append(("draft", 1))
-        return aligned(max(plan_arena(build_pass(self.model, kind, tokens, self.kv, layers=layers,
-                                                 with_drafter=self.mtp)).size_bytes for kind, tokens in passes))
+        return aligned(max(self._pass_arena_bytes(kind, tokens) for kind, tokens in passes))
+
+    def _pass_arena_bytes(self, kind: str, tokens: int) -> int:
+        """One pass's activation arena, remembered (the decode and draft passes serve every chunk size)."""
+        key = (kind, tokens)
+        if key not in self.pass_arenas:
+            self.pass_arenas[key] = plan_arena(build_pass(self.model, kind, tokens, self.kv,
+                                                          layers=representative_layers(self.model.hparams),
+                                                          with_drafter=self.mtp)).size_bytes
+        return self.pass_arenas[key]
 
     def cache_slots_max(self, device: int) -> int:
         return len(self.costs[device].moe_blocks) * self.model.hparams.n_expert
