@@ -13,7 +13,7 @@ from gguf.constants import GGMLQuantizationType as T
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import MAX_WINDOW
 from codegen.lower import attention as att
-from codegen.lower.attention_decode import DECODE_WARPS, LANES as DECODE_TILE, make_decode_attention
+from codegen.lower.attention_decode import LANES as DECODE_TILE, block_warps, make_decode_attention
 from codegen.lower.attention_combine import make_attention_combine
 from codegen.lower import kv_pages
 from codegen.lower.cuda import cuda, mapped_filled
@@ -69,13 +69,13 @@ class Setup:
                self.d_table, self.pages, out, host_pages)
         return out.copy_to_host()
 
-    def decode(self, positions, host_pages=None, window=0, warps=DECODE_WARPS):
+    def decode(self, positions, host_pages=None, window=0, warps=None):
         """(partials, combined output) of one decode window at `positions`."""
         rows = len(positions)
         partials = cuda.to_device(np.full((rows, self.n_head, ATTENTION_SPLITS, self.dv + 2), np.nan, np.float32))
         out = cuda.to_device(np.full((rows, self.n_head * self.dv), np.nan, np.float32))
         launch = (att.make_attention("decode", self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv,
-                                     self.page_tokens, window) if warps == DECODE_WARPS else
+                                     self.page_tokens, window) if warps is None else
                   make_decode_attention(self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv, self.page_tokens,
                                         window, warps))
         launch(0, cuda.to_device(self.q[positions - self.q_from]), cuda.to_device(positions.astype(np.int32)),
@@ -283,7 +283,7 @@ def test_decode_windows_give_the_rows_of_single_steps(rng):
     assert _relative(out, setup.reference(np.arange(17, 22))) < TOLERANCE
 
 
-@pytest.mark.parametrize("warps", [DECODE_WARPS, 2])
+@pytest.mark.parametrize("warps", [None, 2])
 def test_decode_splits_take_every_64th_tile(rng, warps):
     """Splits 0..2 hold two tiles: with two warps a block, each warp takes one and the block merges them."""
     tiles = ATTENTION_SPLITS + 3
@@ -313,6 +313,18 @@ def test_a_drafters_window_reads_only_its_last_positions(rng):
         assert _relative(got[row:row + 1], want) < TOLERANCE
         _, single = setup.decode(np.array([p]), window=width)
         np.testing.assert_array_equal(got[row], single[0])
+
+
+def test_large_groups_of_query_heads_get_fewer_warps_not_a_refusal():
+    """Qwen3-30B's group of 8 and GLM-4.5's of 12 get the full block; a group of 32 query heads on one kv head
+    (MQA-like) gets fewer warps, so their merge fits the block's shared memory; a group too large for even one
+    warp is refused, saying why."""
+    assert block_warps(8, 128, 128, preferred=4) == 4
+    assert block_warps(12, 128, 128, preferred=4) == 4
+    assert 1 <= block_warps(32, 128, 128, preferred=4) < 4
+    assert block_warps(64, 128, 128, preferred=4) == 0
+    with pytest.raises(StratumError, match="shared memory"):
+        make_decode_attention("f16", 64, 1, 128, 128, 256)
 
 
 def test_decode_refuses_windows_over_the_maximum(rng):

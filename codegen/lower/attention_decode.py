@@ -1,6 +1,7 @@
 """Decode attention: a decode step's or verify window's rows against the paged K/V, as split partials.
 
-A block per (kv head, split s) of DECODE_WARPS warps; the context is cut into tiles of 32 positions (one a
+A block per (kv head, split s) of DECODE_WARPS warps (fewer for groups whose merge would not fit: `block_warps`);
+the context is cut into tiles of 32 positions (one a
 lane), and split s takes tiles s, s + 64, s + 128, ... (ATTENTION_SPLITS = 64), which its warps share out in
 turn: warp w the split's tiles w, w + DECODE_WARPS, ... . Rows are taken one after another, each on its own
 (a row's bits never depend on the window's other rows). For each row and tile, a warp
@@ -78,6 +79,13 @@ def _scratch_floats(group: int, dv: int, warps: int) -> int:
 def shared_floats(group: int, dk: int, dv: int, warps: int) -> int:
     """A block's shared memory in floats: q (transposed), each warp's max, sum of exp and weight, the scratch."""
     return group * dk + 3 * warps * group + _scratch_floats(group, dv, warps)
+
+
+def block_warps(group: int, dk: int, dv: int, preferred: int = DECODE_WARPS) -> int:
+    """Warps a block gets for this shape: `preferred`, or fewer where their merge would overflow the block's
+    shared memory (a large group of query heads per kv head); 0 where not even one warp fits."""
+    return max([w for w in range(1, preferred + 1) if 4 * shared_floats(group, dk, dv, w) <= SHARED_BYTES],
+               default=0)
 
 
 @functools.cache
@@ -347,13 +355,15 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
 
 @functools.cache
 def make_decode_attention(kv_type_name, n_head: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
-                          page_tokens: int, window_tokens: int = 0, warps: int = DECODE_WARPS):
+                          page_tokens: int, window_tokens: int = 0, warps: int | None = None):
     """launch(stream, q, positions, page_table, pages, partials, host_pages=None): q f32 (rows, n_head*dk)
     with RoPE applied, 1..MAX_WINDOW rows at int32 `positions`, against positions 0..p already stored (a page
     from its slot, or from `host_pages`, the whole context in mapped host memory, where the table says -1);
     partials f32 (rows, n_head, ATTENTION_SPLITS, dv + 2). `codegen.lower.attention.make_attention` checks the
-    arguments; `warps` other than DECODE_WARPS are for the benchmark's sweep."""
+    arguments. `warps`: a block's (`block_warps` by default; others are for the benchmark's sweep)."""
     kv = kv_types(kv_type_name)
+    if warps is None:
+        warps = block_warps(n_head // n_head_kv, head_dim_k, head_dim_v) or 1   # (0: the kernel says why)
     kernel, threads = decode_attention_kernel(kv.k_type, kv.v_type, n_head // n_head_kv, head_dim_k, head_dim_v,
                                               page_tokens, window_tokens, warps)
     blocks = n_head_kv * ATTENTION_SPLITS
