@@ -315,6 +315,17 @@ def test_a_drafters_window_reads_only_its_last_positions(rng):
         np.testing.assert_array_equal(got[row], single[0])
 
 
+@pytest.mark.parametrize("kv_name", ["f16", "k8v4"])
+def test_decode_with_k_and_v_heads_of_different_widths(rng, kv_name):
+    """K rows of 64 values and V rows of 32 (K and V of one head need not match): the scores walk K's words,
+    P V V's, and the output has V's width."""
+    setup = Setup(rng, kv_name, 45, n_head=4, n_head_kv=2, dk=64, dv=32, page_tokens=8)
+    positions = np.arange(41, 45)
+    partials, got = setup.decode(positions)
+    assert got.shape == (4, 4 * 32)
+    assert _relative(got, setup.reference(positions)) < TOLERANCE
+
+
 def test_large_groups_of_query_heads_get_fewer_warps_not_a_refusal():
     """Qwen3-30B's group of 8 and GLM-4.5's of 12 get the full block; a group of 32 query heads on one kv head
     (MQA-like) gets fewer warps, so their merge fits the block's shared memory; a group too large for even one
