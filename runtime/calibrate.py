@@ -1,14 +1,16 @@
 """Calibration: how this project's kernels run on this GPU, one fit per kernel family (`planner.profile.Kernels`).
 
 A Qwen3-30B-A3B-shaped model at Q8_0 with a few blocks (random weights with skewed routing, built in memory)
-reads prompts of one chunk (2048 and 512 tokens) under a plan that keeps every expert in VRAM. After each,
-every node of that pass (and, after the last, of a decode step) is timed between events while a spinning
-kernel holds the GPU, so the nodes run back to back as in a replayed graph; the events' own cost (the summed
-node times less the step replayed without events, per node) is taken off each decode node, and a prompt's wall
-time beyond its nodes' (prefill waits for the host once a MoE block) is added to its routed-expert nodes. Each
-node's roofline is the cost model's (`codegen.cost.node_roofline_s` at the measured bandwidth and FP32 peak),
-and a family's fit is the latency and efficiency that give its nodes' times best (least squares on relative
-error): time = latency + roofline / efficiency.
+reads prompts of one chunk (2048 and 512 tokens) under a plan that keeps every expert and the whole context's
+K/V in VRAM. After each, every node of that pass is timed between events; so is a decode step after 2048 and
+after 16384 positions (decode attention's time grows with the context: one context alone cannot tell its
+latency from its efficiency). Nodes are timed while a spinning kernel holds the GPU, so they run back to back
+as in a replayed graph; the events' own cost (the summed node times less the step replayed without events, per
+node) is taken off each decode node, and a prompt's wall time beyond its nodes' (prefill waits for the host
+once a MoE block) is added to its routed-expert nodes. Each node's roofline is the cost model's
+(`codegen.cost.node_roofline_s` at the measured bandwidth and FP32 peak), and a family's fit is the latency and
+efficiency that give its nodes' times best (least squares on absolute error, `fit`): time = latency +
+roofline / efficiency.
 """
 
 import tempfile
@@ -20,7 +22,7 @@ import numpy as np
 from codegen.cost import fitted_s, kernel_family, node_roofline_s
 from codegen.lower.cuda import CapturedGraph, cuda
 from planner.profile import GPU, KERNEL_FAMILIES, KernelFit, Kernels
-from planner.search import solve
+from planner.search import PAGE_TOKENS, solve
 from planner.workload import Workload
 from runtime.ceilings import time_s
 from runtime.synthetic import realistic_weights, reduced_card
@@ -28,6 +30,7 @@ from runtime.synthetic import realistic_weights, reduced_card
 CALIBRATION_BLOCKS = 4     # their dense weights (~80 MB) overflow the 50 MB L2 of an H100/H200 between runs
 CHUNK_TOKENS = 2048
 SHORT_CHUNK_TOKENS = 512     # prefill nodes timed at two sizes: a fit needs two to tell latency from efficiency
+LONG_CONTEXT_TOKENS = 16384  # decode steps timed at two contexts, 2048 and this, for the same reason
 REPEATS = 15
 
 
@@ -88,10 +91,11 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
     with tempfile.TemporaryDirectory() as folder:
         card = reduced_card(CALIBRATION_BLOCKS, Path(folder))
         workload = Workload(prompts=((CHUNK_TOKENS, 1.0),), decode_tokens=8)
-        plan = solve(profile_path, card, context=2 * CHUNK_TOKENS, kv="f16", workload=workload,
-                     pins={"chunk_tokens": CHUNK_TOKENS})
+        context = LONG_CONTEXT_TOKENS + CHUNK_TOKENS
+        plan = solve(profile_path, card, context=context, kv="f16", workload=workload,
+                     pins={"chunk_tokens": CHUNK_TOKENS, "kv_pages": -(-context // PAGE_TOKENS)})
         note(f"calibration model: {card.stem}, prompts of {CHUNK_TOKENS} and {SHORT_CHUNK_TOKENS} tokens (one "
-             "chunk each), then decode")
+             f"chunk each), then decode after {CHUNK_TOKENS} and {LONG_CONTEXT_TOKENS}")
         rng = np.random.default_rng(0)
         with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine:
             if engine.experts.n_cache < engine.experts.n_expert * len(engine.experts.blocks):
@@ -100,7 +104,7 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
             # each pass is timed right after requests that ran it: passes share the arena, so another pass's
             # activations would overwrite its inputs (token ids)
             for kind, tokens, new in (("prefill", CHUNK_TOKENS, 1), ("prefill", SHORT_CHUNK_TOKENS, 1),
-                                      ("decode", CHUNK_TOKENS, 2)):
+                                      ("decode", CHUNK_TOKENS, 2), ("decode", LONG_CONTEXT_TOKENS, 2)):
                 for _ in range(2):      # the second request's wall time: the pass is lowered by then
                     out = engine.generate(rng.integers(0, vocab, size=tokens).tolist(), new)
                 timed = timed_nodes(engine, gpu, kind, 1 if kind == "decode" else tokens, tokens)
