@@ -1,6 +1,10 @@
-"""Paged attention over the K/V pages of `codegen.lower.kv_pages`: prefill chunks and decode windows.
+"""Paged attention over the K/V pages of `codegen.lower.kv_pages`: prefill chunks (and `make_attention`, the
+entry point of both families: decode windows go to `codegen.lower.attention_decode`).
 
-Attention (both families) runs one block per (kv head, set of pages, set of rows); the block walks its pages
+This kernel's decode mode (below) no longer serves the runtime: it is the benchmark's v3/v4, the numbered
+versions `benchmarks/kernels_attention.py` times against the production decode kernel.
+
+Attention (both modes) runs one block per (kv head, set of pages, set of rows); the block walks its pages
 in tiles of `Tuning.tile` positions aligned to absolute positions, ascending. A tile's K and V are dequantized once
 into shared memory (the next tile's raw words are already in flight, loaded into registers while this one is
 computed; f16 and f32 through a typed view of the words, so the hardware converts each value in one
