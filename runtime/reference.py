@@ -170,16 +170,20 @@ def _load(path: str, mtime_ns: int, size: int) -> ReferenceModel:
     return ReferenceModel(path, hparams, weights)
 
 
-def forward(model, token_ids, kv_type: str = "f32") -> np.ndarray:
+def forward(model, token_ids, kv_type: str = "f32", kv_cache: dict | None = None) -> np.ndarray:
     """float64 logits [len(token_ids), n_vocab] for every position 0..n-1. `model`: a path or a ReferenceModel;
-    `kv_type`: a planner K/V type name (f32, f16, q8_0, q4_0, k8v4, ...), the K/V cache's rounding."""
-    return forward_states(model, token_ids, kv_type)[0]
+    `kv_type`: a planner K/V type name (f32, f16, q8_0, q4_0, k8v4, ...), the K/V cache's rounding.
+    `kv_cache`: trunk layer -> (K, V) [n, n_kv * head dim] to attend to instead of the rounded K/V this pass
+    computes (a kernel pass's stored K/V: its rounding, not the reference's, is then the cache's), and where
+    each layer's own rounded (K, V) is left when the dict starts empty."""
+    return forward_states(model, token_ids, kv_type, kv_cache)[0]
 
 
-def forward_states(model, token_ids, kv_type: str = "f32") -> tuple[np.ndarray, np.ndarray]:
+def forward_states(model, token_ids, kv_type: str = "f32", kv_cache: dict | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """(logits [n, n_vocab], hidden [n, n_embd]): the hidden state after output_norm, the drafter's input."""
     model = _as_model(model)
-    x = _trunk(model, token_ids, _kv(model, kv_type))
+    x = _trunk(model, token_ids, _kv(model, kv_type), kv_cache=kv_cache)
     hidden = rmsnorm(x, model.weight("output_norm.weight"), model.hparams.rms_eps)
     return _head(model, hidden, "output.weight"), hidden
 
@@ -238,18 +242,19 @@ def _token_ids(model: ReferenceModel, token_ids) -> np.ndarray:
     return ids.astype(np.int64)
 
 
-def _trunk(model: ReferenceModel, token_ids, kv: KVType, routes: dict | None = None) -> np.ndarray:
+def _trunk(model: ReferenceModel, token_ids, kv: KVType, routes: dict | None = None,
+           kv_cache: dict | None = None) -> np.ndarray:
     """The residual stream after the last trunk block, positions 0..n-1."""
     token_ids = _token_ids(model, token_ids)
     positions = np.arange(len(token_ids))
     x = model.weight("token_embd.weight")[token_ids]
     for layer in range(model.hparams.n_trunk):
-        x = _block(model, layer, x, positions, kv, routes)
+        x = _block(model, layer, x, positions, kv, routes, kv_cache)
     return x
 
 
 def _block(model: ReferenceModel, layer: int, x: np.ndarray, positions: np.ndarray, kv: KVType,
-           routes: dict | None = None) -> np.ndarray:
+           routes: dict | None = None, kv_cache: dict | None = None) -> np.ndarray:
     hp, p = model.hparams, f"blk.{layer}."
     qwen = hp.architecture == "qwen3moe"
     h = rmsnorm(x, model.weight(p + "attn_norm.weight"), hp.rms_eps)
@@ -263,6 +268,8 @@ def _block(model: ReferenceModel, layer: int, x: np.ndarray, positions: np.ndarr
     q = rope_neox(q, positions, hp.n_head, hp.n_rot, hp.rope_base)
     k = kv_round(rope_neox(k, positions, hp.n_head_kv, hp.n_rot, hp.rope_base), kv.k_type)
     v = kv_round(v, kv.v_type)
+    if kv_cache is not None:
+        k, v = kv_cache.setdefault(layer, (k, v))
     x = x + _linear(model, p + "attn_output", attention(q, k, v, positions, hp.n_head, hp.n_head_kv))
     h = rmsnorm(x, model.weight(p + ("ffn_norm" if qwen else "post_attention_norm") + ".weight"), hp.rms_eps)
     if not hp.is_moe_layer(layer):

@@ -2,6 +2,7 @@
 size, then decode windows. K/V pages are a plain table (page p in slot p) with room for `max_tokens`."""
 
 import numpy as np
+from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower.kv_pages import kv_arrays
 from codegen.lower.cuda import cuda
@@ -56,6 +57,31 @@ class PassRunner:
     def decode(self, token_ids, start: int) -> np.ndarray:
         """One decode window over `token_ids` at positions start..; returns (window, vocab) logits."""
         return self._run("decode", token_ids, start)
+
+    def stored_kv(self, n_positions: int) -> dict:
+        """trunk layer -> (K, V), float64 [n_positions, n_kv * head dim]: what the kernels stored for positions
+        0..n-1, dequantized (f32, f16 and q8_0 K/V; the runner's page table is the identity)."""
+        page_tokens = next(iter(self.kv_pages.values())).page_tokens
+        positions = np.arange(n_positions)
+        pages, rows = positions // page_tokens, positions % page_tokens
+        n_kv = self.hp.n_head_kv
+
+        def values(data, scales, ggml_type, head_dim):
+            words = data.copy_to_host()
+            if ggml_type in (T.F32, T.F16):
+                per_row = words.view(np.float32 if ggml_type == T.F32 else np.float16)
+                table = per_row.reshape(len(words), n_kv, page_tokens, head_dim).astype(np.float64)
+            elif ggml_type == T.Q8_0:
+                quants = words.view(np.int8).reshape(len(words), n_kv, page_tokens, head_dim // 32, 32)
+                block_scales = scales.copy_to_host().reshape(len(words), n_kv, page_tokens, head_dim // 32, 1)
+                table = (quants * block_scales.astype(np.float64)).reshape(len(words), n_kv, page_tokens, head_dim)
+            else:
+                raise NotImplementedError(f"stored_kv reads f32, f16 and q8_0 K/V, not {ggml_type.name}")
+            return table[pages, :, rows, :].reshape(n_positions, n_kv * head_dim)
+
+        return {layer: (values(kv.k_data, kv.k_scales, self.kv.k_type, self.hp.head_dim_k),
+                        values(kv.v_data, kv.v_scales, self.kv.v_type, self.hp.head_dim_v))
+                for layer, kv in self.kv_pages.items() if layer < self.hp.n_trunk}
 
     def kv_bytes(self) -> list:
         """Every layer's K/V pages, as host bytes (to compare layouts bitwise)."""

@@ -62,12 +62,21 @@ def check_prompt_and_decode(path, kv: str, chunks: tuple, windows: tuple, rng, n
 
 @pytest.mark.parametrize("architecture, kv", [("qwen3moe", "f16"), ("glm4moe-quantized", "q8_0")])
 def test_a_prompt_and_a_decode_step_match_the_reference(models, architecture, kv, rng):
-    """CI's whole-pass check (the simulator's speed allows a few passes): one prefill chunk, one decode step."""
+    """CI's whole-pass check (the simulator's speed allows a few passes): one prefill chunk, one decode step.
+    The K/V the kernels stored is the reference's rounded K/V, but for values within float32 error of a
+    rounding boundary, which land a step away (rare: a few in a thousand); the logits are the reference's
+    attending to that stored K/V, so such a flip, which a tiny model carries to its logits at up to ~1e-4,
+    does not make the check flaky."""
     path = models[architecture]
     runner = PassRunner(path, kv=kv, max_tokens=8)
     ids = prompt(rng, runner, 3)
     got = np.concatenate([runner.prefill(ids[:2], chunk=2), runner.decode(ids[2:], start=2)])
-    assert relative_l2(got, reference.forward(path, ids, kv_type=kv)[1:]) < tolerance(kv)
+    own = {}
+    reference.forward(path, ids, kv_type=kv, kv_cache=own)
+    stored = runner.stored_kv(len(ids))
+    for layer, (k, v) in stored.items():
+        assert relative_l2(k, own[layer][0]) < 1e-3 and relative_l2(v, own[layer][1]) < 1e-3, layer
+    assert relative_l2(got, reference.forward(path, ids, kv_type=kv, kv_cache=stored)[1:]) < tolerance(kv)
 
 
 def test_every_node_of_a_glm4moe_prompt_pass_matches_its_reference_op(models, rng):
