@@ -114,8 +114,6 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
             weights = np.array([node["weight_bytes"]], dtype=np.float64)
         else:
             weights = model.block_weight_bytes(tuple(node["weights"]), rep, tuple(stands_for))
-            if rep in stands_for:       # the representative's own bytes, as its node counts them
-                weights = np.where(np.array(stands_for) == rep, node["weight_bytes"], weights)
         seconds = fitted_s(fit, np.maximum(node["flops"] / gpu.fp32_flops,
                                            (moved + weights) / gpu.memory_bandwidth_bytes_per_s))
         cost.fixed_s += float(seconds.sum())

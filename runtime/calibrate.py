@@ -21,6 +21,7 @@ import numpy as np
 
 from codegen.cost import fitted_s, kernel_family, node_roofline_s
 from codegen.lower.cuda import CapturedGraph, cuda
+from planner.kv_lending import needed_pages
 from planner.profile import GPU, KERNEL_FAMILIES, KernelFit, Kernels
 from planner.search import PAGE_TOKENS, solve
 from planner.workload import Workload
@@ -93,7 +94,7 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
         workload = Workload(prompts=((CHUNK_TOKENS, 1.0),), decode_tokens=8)
         context = LONG_CONTEXT_TOKENS + CHUNK_TOKENS
         plan = solve(profile_path, card, context=context, kv="f16", workload=workload,
-                     pins={"chunk_tokens": CHUNK_TOKENS, "kv_pages": -(-context // PAGE_TOKENS)})
+                     pins={"chunk_tokens": CHUNK_TOKENS, "kv_pages": int(needed_pages(context, PAGE_TOKENS))})
         note(f"calibration model: {card.stem}, prompts of {CHUNK_TOKENS} and {SHORT_CHUNK_TOKENS} tokens (one "
              f"chunk each), then decode after {CHUNK_TOKENS} and {LONG_CONTEXT_TOKENS}")
         rng = np.random.default_rng(0)

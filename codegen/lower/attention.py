@@ -557,7 +557,6 @@ def make_attention(family: str, kv_type_name, n_head: int, n_head_kv: int, head_
     if window_tokens < 0:
         raise ValueError(f"window_tokens {window_tokens}: 0 (the whole context) or more")
     if family == "decode":
-        kv_types(kv_type_name)
         _check_attention(family, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens)
         return make_decode_attention(kv_type_name, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens,
                                      window_tokens)

@@ -90,7 +90,7 @@ def block_warps(group: int, dk: int, dv: int, preferred: int = DECODE_WARPS) -> 
 
 @functools.cache
 def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, page_tokens: int,
-                            window: int = 0, warps: int = DECODE_WARPS):
+                            window: int, warps: int):
     """The kernel (module doc) and its threads a block; window > 0: a row at position p reads positions
     p - window + 1 .. p only. Results depend on `warps` (the order the warps' sums are merged in)."""
     G, NW, PT, splits = group, warps, page_tokens, ATTENTION_SPLITS
