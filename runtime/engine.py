@@ -380,9 +380,9 @@ class Engine:
             self.compute.synchronize()
             ids = self.routed_ids[:routed.shape[0]]
 
-            def run_batch(lo, hi, step=step, down=down):
-                step.launch(self.compute, *step.args, lo=lo, hi=hi)
-                down.launch(self.compute, *down.args, lo=lo, hi=hi)
+            def run_batch(lo, hi, work, step=step, down=down):
+                step.launch(self.compute, *step.args, lo=lo, hi=hi, work=work)
+                down.launch(self.compute, *down.args, lo=lo, hi=hi, work=work)
             self.experts.stream_block(block, ids, self.compute, run_batch)
 
     def _replay(self, key, enqueue) -> None:

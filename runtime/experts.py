@@ -37,6 +37,7 @@ import numpy as np
 
 from codegen.lower.cuda import (copy_into_rows, copy_rows, cuda, event_done, mapped_device_view, mapped_filled,
                                 mapped_host_view)
+from codegen.lower.moe import range_work
 from codegen.lower.weights import DeviceWeight, packed_layout, placeholder_scales
 from planner.errors import StratumError
 
@@ -249,14 +250,16 @@ class ExpertStore:
         return table, batches
 
     def stream_block(self, block: int, ids: np.ndarray, compute, run_batch) -> None:
-        """Compute a chunk's routed experts of one block: run_batch(lo, hi) for each batch, its experts
-        copied into the ring first (on the copy stream, waiting until compute is done with that half)."""
+        """Compute a chunk's routed experts of one block: run_batch(lo, hi, work) for each batch (work: its
+        `RangeWork` from the routing), its experts copied into the ring first (on the copy stream, waiting
+        until compute is done with that half)."""
         table, batches = self.prefill_batches(block, np.unique(ids))
+        works = range_work(ids, self.n_expert, [lo for lo, *_ in batches] + [self.n_expert])
         index = self.blocks.index(block)
         np.add.at(self.routed[index], ids.reshape(-1), 1)
         self.prefill_staging[index] = table         # pinned: an asynchronous copy (pageable memory would wait)
         copy_rows(self.prefill_tables[block], 0, self.prefill_staging[index], 0, self.n_expert, compute)
-        for j, (lo, hi, base, group) in enumerate(batches):
+        for j, ((lo, hi, base, group), work) in enumerate(zip(batches, works)):
             half = j % 2
             if group:
                 if self.ring_used[half]:
@@ -268,7 +271,7 @@ class ExpertStore:
                         self._copy_in(block, matrix, first, count, slot, self.copy_stream)
                 self.ring_copied[half].record(self.copy_stream)
                 self.ring_copied[half].wait(compute)
-            run_batch(lo, hi)
+            run_batch(lo, hi, work)
             self.ring_free[half].record(compute)
             self.ring_used[half] = True
 

@@ -314,9 +314,10 @@ class Experts:
         down = moe.make_moe_down_matmul(family, self.type, self.d_ff, self.d_out, self.n_expert, k)
         return swiglu, down
 
-    def run(self, family, x, ids, route_w, k=K, ranges=((0, None),), trace=None):
+    def run(self, family, x, ids, route_w, k=K, ranges=((0, None),), trace=None, exact=False):
         """(act, out) of gate/up then down over each expert range in turn (as the prefill ring streams them);
-        `trace`, a list: act after each range's gate/up is appended to it."""
+        `trace`, a list: act after each range's gate/up is appended to it; exact: each range launched with
+        its `RangeWork` from the routing, as the engine launches them."""
         swiglu, down = self.launches(family, x.shape[1], k)
         groups = run_groups(ids, self.n_expert, k)
         slot_of = cuda.to_device(self.slot_of)
@@ -324,11 +325,13 @@ class Experts:
         act = cuda.to_device(np.full((ids.size, self.d_ff), np.nan, np.float32))
         out = cuda.to_device(np.full((len(ids), self.d_out), np.nan, np.float32))
         (gate, up, dw), (host_gate, host_up, host_down) = self.slots, self.host
-        for lo, hi in ranges:
-            swiglu(0, x, groups, slot_of, gate, up, host_gate, host_up, act, lo, hi)
+        edges = [lo for lo, _ in ranges] + [self.n_expert]
+        works = moe.range_work(ids, self.n_expert, edges) if exact else [None] * len(ranges)
+        for (lo, hi), work in zip(ranges, works):
+            swiglu(0, x, groups, slot_of, gate, up, host_gate, host_up, act, lo, hi, work=work)
             if trace is not None:
                 trace.append(act.copy_to_host())
-            down(0, act, groups, route_w, slot_of, dw, host_down, out, lo, hi)
+            down(0, act, groups, route_w, slot_of, dw, host_down, out, lo, hi, work=work)
         check_groups(groups, ids, self.n_expert)     # as it was (prefill down ranks pairs in it for a while)
         return act.copy_to_host(), out.copy_to_host()
 
@@ -385,16 +388,18 @@ RANGES = ((0, 3), (3, 7), (7, None))
 N_RANGED = 8        # experts of the range tests (RANGES covers them)
 
 
-def test_moe_prefill_over_expert_ranges_equals_one_launch(rng):
+@pytest.mark.parametrize("exact", [False, True], ids=["any routing", "the routing's work"])
+def test_moe_prefill_over_expert_ranges_equals_one_launch(rng, exact):
     """gate/up then down over experts [0, 3), [3, 7), [7, 8) in turn give bitwise the act and out of one
-    launch over all (a row's terms add in ascending expert order whatever the ranges, here 3 per row); a
-    range's gate/up writes only its experts' act rows (act starts as NaN)."""
+    launch over all (a row's terms add in ascending expert order whatever the ranges, here 3 per row), with
+    grids for any routing or each range's `RangeWork` (its tiles, its passes); a range's gate/up writes only
+    its experts' act rows (act starts as NaN)."""
     experts = Experts(rng, T.F16, n_expert=N_RANGED)
     x, ids, route_w = moe_inputs(rng, 6, k=3, n_expert=N_RANGED)
     act, out = experts.run("prefill", x, ids, route_w, k=3)
     check_moe(experts, x, ids, route_w, act, out)
     trace = []
-    ranged = experts.run("prefill", x, ids, route_w, k=3, ranges=RANGES, trace=trace)
+    ranged = experts.run("prefill", x, ids, route_w, k=3, ranges=RANGES, trace=trace, exact=exact)
     assert np.array_equal(ranged[0], act) and np.array_equal(ranged[1], out)
     pair_experts = ids.reshape(-1)
     for (_, hi), seen in zip(RANGES, trace):
@@ -412,6 +417,19 @@ def test_moe_prefill_over_expert_ranges_for_any_chunk(rng):
         assert np.array_equal(out, whole[part])
 
 
+def test_range_work_counts_the_tiles_and_ranks_the_routing_makes(rng):
+    """Each range's tiles are the sum over its experts of ceil(pairs / PREFILL_BM), its passes the most
+    experts one row has in it (brute force over a random routing, ranges of 0 to 5 experts)."""
+    n_expert, rows, k = 16, 300, 4
+    ids = top_ids(rng, rows, n_expert, k)
+    edges = [0, 0, 1, 5, 5, 7, 12, 16]
+    pairs = np.bincount(ids.reshape(-1), minlength=n_expert)
+    expected = [moe.RangeWork(sum(-(-pairs[e] // moe.PREFILL_BM) for e in range(a, b)),
+                              max(sum(a <= e < b for e in row) for row in ids)) for a, b in zip(edges, edges[1:])]
+    assert moe.range_work(ids, n_expert, edges) == expected
+    assert expected[0] == (0, 0) and expected[2].tiles >= 4
+
+
 @pytest.mark.parametrize("lo, hi", [(1, None), (0, 3)])
 def test_moe_decode_refuses_an_expert_range(lo, hi):
     """Decode runs over every expert in one launch: a range is refused before anything is read."""
@@ -421,6 +439,13 @@ def test_moe_decode_refuses_an_expert_range(lo, hi):
         swiglu(0, None, None, None, None, None, None, None, None, lo, hi)
     with pytest.raises(ValueError, match="decode runs over all 4 experts"):
         down(0, None, None, None, None, None, None, None, lo, hi)
+
+
+def test_moe_decode_refuses_a_range_work():
+    """A decode window's grid covers any routing (its graph is replayed for every step): no RangeWork."""
+    down = moe.make_moe_down_matmul("decode", T.F32, D_FF, D_OUT, E, K)
+    with pytest.raises(ValueError, match="takes no RangeWork"):
+        down(0, None, None, None, None, None, None, None, work=moe.RangeWork(tiles=1, passes=1))
 
 
 def test_moe_prefill_refuses_a_range_outside_the_experts():
@@ -459,8 +484,9 @@ def test_gpu_real_shape(rng, family, ggml_type):
 def test_gpu_moe_qwen3_30b_shape(rng, family):
     """128 experts of Qwen3-30B-A3B's shape, half in VRAM slots and half in mapped host memory; a prefill
     chunk's 96 rows use 24 of them (so each gets ~32 pairs, and the float64 reference dequantizes 24, not 128).
-    Then: a few rows again give their bits; prefill over three expert ranges gives the bits of one launch;
-    every expert read from the host copy gives the bits of every expert read from slots."""
+    Then: a few rows again give their bits; prefill over three expert ranges gives the bits of one launch,
+    with grids for any routing and with the routing's `RangeWork`; every expert read from the host copy gives
+    the bits of every expert read from slots."""
     experts = Experts(rng, T.Q8_0, n_expert=128, d_in=2048, d_ff=768, d_out=2048, quantized=True)
     rows = 5 if family == "decode" else 96
     ids = top_ids(rng, rows, 128, 8, chosen=None if family == "decode" else 24)
@@ -471,8 +497,9 @@ def test_gpu_moe_qwen3_30b_shape(rng, family):
     _, out_part = experts.run(family, x[part], ids[part], route_w[part], k=8)
     assert np.array_equal(out_part, out[part])
     if family == "prefill":
-        ranged = experts.run(family, x, ids, route_w, k=8, ranges=((0, 7), (7, 16), (16, None)))
-        assert np.array_equal(ranged[0], act) and np.array_equal(ranged[1], out)
+        for exact in (False, True):
+            ranged = experts.run(family, x, ids, route_w, k=8, ranges=((0, 7), (7, 16), (16, None)), exact=exact)
+            assert np.array_equal(ranged[0], act) and np.array_equal(ranged[1], out)
     from_slots = experts.place(rng.permutation(128)).run(family, x, ids, route_w, k=8)
     from_host = experts.place(np.full(128, -1)).run(family, x, ids, route_w, k=8)
     assert all(np.array_equal(a, b) for a, b in zip(from_slots, from_host))

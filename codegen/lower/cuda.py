@@ -6,7 +6,6 @@ runs libdevice bit casts wrongly: kernels reduce through shared memory, and bit 
 warp-level reductions kernels use (`warp_max`, `warp_sum` in a fixed butterfly order) are emulated for it here.
 """
 
-import ctypes
 import math
 import weakref
 
@@ -253,8 +252,10 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
     and marshals each argument and finds the compiled kernel at each launch (about 12 us an array, 250 us for
     a MoE kernel's 17), which dominated prefill's expert batches launched from Python. Here each device array
     is marshalled once, scalar types are known by their Python type, and the compiled kernel is found by its
-    argument types' identities. A kernel's first launch for its argument types loads it from the disk cache
-    (`kernel_cache`) or compiles it and stores it there."""
+    argument types' identities; the parameters go to the driver's cuLaunchKernel as one reused buffer of
+    8-byte slots (cuda.core's launch wrapped them and the stream anew each call: about 30 us a launch of a
+    MoE kernel's 115 parameters, BENCHMARKS.md). A kernel's first launch for its argument types loads it from
+    the disk cache (`kernel_cache`) or compiles it and stores it there."""
     if SIMULATOR:
         kernel[griddim, blockdim, stream](*args)
         return
@@ -265,7 +266,7 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
             if not isinstance(value, _DeviceNDArray):
                 ty = _scalar_type(kernel, value)
                 types.append(ty)
-                params.append(_scalar_param(ty, value))
+                params.append(_scalar_bits(ty, value))
                 continue
             entry = _marshal_array(kernel, value)
         types.append(entry[1])
@@ -273,13 +274,24 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
     key = (id(kernel), *map(id, types))
     found = _functions.get(key)
     if found is None:       # the types and dispatcher are kept alive, so their ids stay theirs
-        found = _functions[key] = _kernel_function(kernel, tuple(types)), tuple(types), kernel
-    function = found[0]
+        function = _kernel_function(kernel, tuple(types))
+        found = _functions[key] = function.handle, function, tuple(types), kernel
+    slots = _param_slots.get(len(params))
+    if slots is None:       # values, and the pointer to each that the driver reads
+        values = np.zeros(len(params), np.uint64)
+        addresses = values.ctypes.data + 8 * np.arange(len(params), dtype=np.uint64)
+        slots = _param_slots[len(params)] = values, addresses
+    values, pointers = slots
+    values[:] = params      # the driver copies them at the call, so the buffer is free again on return
     shape = (griddim, blockdim)
-    config = _configs.get(shape)
-    if config is None:
-        config = _configs[shape] = _LaunchConfig(grid=_dims(griddim), block=_dims(blockdim), shmem_size=0)
-    _core_launch(stream or cuda.default_stream(), config, function, *params)
+    dims = _dims_of.get(shape)
+    if dims is None:
+        dims = _dims_of[shape] = (*_dims(griddim), *_dims(blockdim))
+    handle = stream.handle if stream else cuda.default_stream().handle
+    err, = _driver.cuLaunchKernel(found[0], *dims, 0, _driver.CUstream(int(handle)), pointers.ctypes.data, 0)
+    if err != _driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"launching {getattr(kernel, '__name__', kernel)} on grid {griddim} x {blockdim} "
+                           f"failed: {err}")
 
 
 def kernel_counts() -> dict:
@@ -379,14 +391,15 @@ def copy_into_rows(dst, dst_row: int, offset_bytes: int, src, src_row: int, rows
 
 
 if not SIMULATOR:
-    from cuda.core import LaunchConfig as _LaunchConfig
+    from cuda.bindings import driver as _driver
     from cuda.core import ObjectCode as _ObjectCode
-    from cuda.core import launch as _core_launch
     from numba.cuda.cudadrv.devicearray import DeviceNDArray as _DeviceNDArray
 
 _marshalled_arrays = {}     # id(device array) -> (weak reference, numba type, kernel parameters)
-_functions = {}             # (id(dispatcher), id(each argument's type)...) -> (driver's function, types, dispatcher)
-_configs = {}               # (grid, block) -> launch configuration
+_functions = {}             # (id(dispatcher), id(each argument's type)...) -> (driver handle, its kernel, types,
+#                             dispatcher)
+_dims_of = {}               # (grid, block) -> the six dimensions cuLaunchKernel takes
+_param_slots = {}           # parameter count -> (uint64 values, their addresses): launch_kernel's buffer
 _scalar_types = {}          # Python or numpy scalar type -> numba type
 _kernel_counts = {"loaded": 0, "compiled": 0, "compiled, not cached": 0}
 
@@ -405,16 +418,20 @@ def _scalar_type(kernel, value):
     return ty
 
 
-def _scalar_param(ty, value):
-    """A scalar as numba's kernels take it (numba's own launch passes the same C values)."""
+def _scalar_bits(ty, value) -> int:
+    """A scalar as numba's kernels take it, as the unsigned integer whose low bytes (little-endian) hold its C
+    value: the driver reads the parameter's own size from its 8-byte slot."""
     if isinstance(ty, _numba_types.Boolean):
-        return bool(value)
+        return int(bool(value))
     if isinstance(ty, _numba_types.Integer):
-        return getattr(ctypes, f"c_{ty}")(value)
+        low = -(1 << (ty.bitwidth - 1)) if ty.signed else 0
+        if not low <= value < low + (1 << ty.bitwidth):
+            raise OverflowError(f"{value} does not fit a kernel argument of type {ty}")
+        return int(value) & ((1 << ty.bitwidth) - 1)
     if ty == _numba_types.float32:
-        return ctypes.c_float(value)
+        return int(np.float32(value).view(np.uint32))
     if ty == _numba_types.float64:
-        return ctypes.c_double(value)
+        return int(np.float64(value).view(np.uint64))
     raise TypeError(f"a kernel argument of type {ty}: launch_kernel takes device arrays, integers, floats and bools")
 
 
@@ -429,8 +446,10 @@ def _marshal_array(kernel, array) -> tuple:
     return entry
 
 
-def _dims(dims):
-    return tuple(int(d) for d in dims) if isinstance(dims, tuple) else int(dims)
+def _dims(dims) -> tuple:
+    """(x, y, z) of a grid or block given as an int or a tuple of 1-3 ints."""
+    dims = tuple(int(d) for d in dims) if isinstance(dims, tuple) else (int(dims),)
+    return dims + (1,) * (3 - len(dims))
 
 
 def event_done(event) -> bool:

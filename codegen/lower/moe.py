@@ -3,7 +3,11 @@ with the route-weighted sum fused, on the matmul cores of `codegen.lower.matmul`
 
 The groups buffer (`codegen.graph.moe_groups_length`): offsets[n_expert + 1], then pairs[rows * k] (pair =
 row * k + slot, ascending within an expert), then active[n_expert + 1] (the count of experts with pairs, then
-those experts ascending). Grids never depend on it: blocks past the work it describes return at once.
+those experts ascending). Grids never depend on it: blocks past the work it describes return at once. A
+prefill launch whose routing the host knows (the engine reads it back for the prefill ring) may be given its
+exact work instead (`range_work`): grids of the tiles its pairs make and as many down passes as ranks occur,
+not the bounds of every possible routing (which, for the narrow ranges a shallow ring streams, launch mostly
+idle blocks and empty passes: BENCHMARKS.md, the prefill ring's timeline).
 
 Two weight sources. Expert e's gate/up/down rows are read from the VRAM slot arrays at slot slot_of[e] when
 slot_of[e] >= 0 (the expert cache, the prefill ring, the drafter's block), else from the host arrays
@@ -25,9 +29,9 @@ decode family: a window's rows pick distinct experts each (top-k does), so an ex
 prefill family: each expert is a small GEMM over its gathered pairs, tiled by the prefill core; tiles are
   numbered across the experts of the launch's range lo <= e < hi (an in-block scan of the offsets maps a
   block to its expert and tile); pairs of other experts are not touched (gate/up leaves their act rows).
-  down runs min(k, hi - lo) passes, pass q over the pairs whose expert has rank q among its row's experts in
-  the range (ascending ids), each row once per pass; the term of a row's smallest expert overall writes, every
-  other adds, so the weighted sum is in ascending expert order, and launches over [0, a), [a, b), ...,
+  down runs min(k, hi - lo) passes (or the routing's `RangeWork.passes`), pass q over the pairs whose expert
+  has rank q among its row's experts in the range (ascending ids), each row once per pass; the term of a row's
+  smallest expert overall writes, every other adds, so the weighted sum is in ascending expert order, and launches over [0, a), [a, b), ...,
   [z, n_expert) in turn give bitwise the out of one launch over [0, n_expert) (the ranges a prefill ring
   streams experts in; a one-expert range is one pass). Each pass reads an expert's weights once. A first
   kernel of the launch finds every pair's rank and whether it adds (one scan of the pairs list per block of
@@ -491,6 +495,28 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
     return kernel, -(-n_cols // cols)
 
 
+class RangeWork(NamedTuple):
+    """What a prefill launch over one expert range has to do, from the routing: the tiles its experts' pairs
+    make (the grid's rows) and the most experts one row has in the range (the down launch's passes)."""
+    tiles: int
+    passes: int
+
+
+def range_work(ids: np.ndarray, n_expert: int, edges) -> list:
+    """RangeWork of each expert range [edges[i], edges[i + 1]) for a chunk routed to ids (rows, k): what the
+    kernels would find in the groups buffer, counted on the host."""
+    ids = np.asarray(ids).reshape(len(ids), -1)
+    edges = np.asarray(edges, np.int64)
+    tiles_of = -(-np.bincount(ids.reshape(-1), minlength=n_expert) // PREFILL_BM)
+    cumulative = np.concatenate([[0], np.cumsum(tiles_of)])
+    n_ranges = len(edges) - 1
+    range_of = np.searchsorted(edges, ids, side="right") - 1
+    cells = np.arange(len(ids))[:, None] * n_ranges + range_of
+    in_row = np.bincount(cells.reshape(-1), minlength=len(ids) * n_ranges).reshape(len(ids), n_ranges)
+    passes = in_row.max(axis=0) if len(ids) else np.zeros(n_ranges, np.int64)
+    return [RangeWork(int(cumulative[b] - cumulative[a]), int(q)) for a, b, q in zip(edges, edges[1:], passes)]
+
+
 def _max_tiles(rows: int, k: int, n_range: int) -> int:
     """Tiles the pairs of n_range experts can make at most: the sum over them of ceil(pairs / PREFILL_BM) is
     at most floor(P / PREFILL_BM) + the experts with pairs, where rows give P <= rows * min(k, n_range) such
@@ -499,10 +525,13 @@ def _max_tiles(rows: int, k: int, n_range: int) -> int:
     return n_pairs // PREFILL_BM + min(n_range, n_pairs)
 
 
-def _range(family: str, n_expert: int, lo, hi) -> tuple:
-    """(lo, hi) checked: prefill takes any 0 <= lo <= hi <= n_expert; decode runs over every expert."""
+def _range(family: str, n_expert: int, lo, hi, work=None) -> tuple:
+    """(lo, hi) checked: prefill takes any 0 <= lo <= hi <= n_expert; decode runs over every expert, its grid
+    from no routing (a captured graph replays it for any)."""
     hi = n_expert if hi is None else hi
     if family == "decode":
+        if work is not None:
+            raise ValueError("a decode-family launch takes no RangeWork: its grid covers any routing")
         if lo != 0 or hi != n_expert:
             raise ValueError(f"expert range [{lo}, {hi}) in a decode-family launch: decode runs over all "
                              f"{n_expert} experts at once (lo=0, hi=None); only prefill launches take a range")
@@ -517,16 +546,17 @@ def _range(family: str, n_expert: int, lo, hi) -> tuple:
 
 @functools.cache
 def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, slot_bytes: int = 0):
-    """launch(stream, x, groups, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None):
+    """launch(stream, x, groups, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None, work=None):
     act[r * k + j] = silu(G @ x[r]) * (U @ x[r]) for the pairs whose expert e = ids[r, j] has lo <= e < hi
     (hi None: n_expert; decode: every expert, no range), other act rows untouched; G, U = gate[slot_of[e]],
     up[slot_of[e]] (gate/up: slots of n_ff x n_in, contiguous or `slot_bytes` apart), or host_gate[e],
-    host_up[e] (host_* (n_expert, n_ff, n_in), contiguous) when slot_of[e] < 0."""
+    host_up[e] (host_* (n_expert, n_ff, n_in), contiguous) when slot_of[e] < 0. work (prefill only): the
+    range's `RangeWork`, else the grid covers any routing."""
     check(family, ggml_type, n_in, n_ff)
     strides = expert_strides(ggml_type, n_ff, n_in, slot_bytes)
     if family == "decode":
-        def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None):
-            _range(family, n_expert, lo, hi)
+        def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None, work=None):
+            _range(family, n_expert, lo, hi, work)
             check_aligned("a routed gate/up's activations", x)
             shape = decode_swiglu_shape(window_rows(x))
             decode_swiglu(T(ggml_type), n_in, n_ff, n_expert, k, shape, strides)(
@@ -535,9 +565,9 @@ def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_exper
         return launch
     kernel, col_tiles = prefill_kernel(T(ggml_type), n_in, n_ff, n_expert, k, False, strides)
 
-    def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None):
+    def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None, work=None):
         lo, hi = _range(family, n_expert, lo, hi)
-        tiles = _max_tiles(x.shape[0], k, hi - lo)
+        tiles = _max_tiles(x.shape[0], k, hi - lo) if work is None else work.tiles
         if tiles:
             launch_kernel(kernel, (col_tiles, tiles), THREADS, stream,
                 x, grouped, x, slot_of, *words(gate), *words(up), *words(host_gate), *words(host_up), act,
@@ -547,18 +577,18 @@ def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_exper
 
 @functools.cache
 def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, slot_bytes: int = 0):
-    """launch(stream, act, groups, route_w, slot_of, down, host_down, out, lo=0, hi=None): out[r] = the sum
-    over the row's experts e = ids[r, j], in ascending id order, of route_w[r, j] * (D @ act[r * k + j]), with
+    """launch(stream, act, groups, route_w, slot_of, down, host_down, out, lo=0, hi=None, work=None): out[r] =
+    the sum over the row's experts e = ids[r, j], in ascending id order, of route_w[r, j] * (D @ act[r * k + j]), with
     D = down[slot_of[e]] (down: slots of n_out x n_ff, contiguous or `slot_bytes` apart), or host_down[e]
     ((n_expert, n_out, n_ff)) when slot_of[e] < 0. prefill: only the terms of experts lo <= e < hi (hi None:
     n_expert); the smallest expert's term writes out[r], the others add, so launches over [0, a), [a, b), ...,
-    [z, n_expert) in that order give bitwise the out of one launch over every expert. decode: every expert,
-    no range."""
+    [z, n_expert) in that order give bitwise the out of one launch over every expert (with or without their
+    `RangeWork`: the passes it skips have no pairs). decode: every expert, no range, no work."""
     check(family, ggml_type, n_ff, n_out)
     strides = expert_strides(ggml_type, n_out, n_ff, slot_bytes)
     if family == "decode":
-        def launch(stream, act, grouped, route_w, slot_of, down, host_down, out, lo=0, hi=None):
-            _range(family, n_expert, lo, hi)
+        def launch(stream, act, grouped, route_w, slot_of, down, host_down, out, lo=0, hi=None, work=None):
+            _range(family, n_expert, lo, hi, work)
             check_aligned("a routed down projection's activations", act)
             shape = decode_down_shape(window_rows(route_w))
             decode_down(T(ggml_type), n_ff, n_out, n_expert, k, shape, strides)(
@@ -567,10 +597,12 @@ def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert
     kernel, col_tiles = prefill_kernel(T(ggml_type), n_ff, n_out, n_expert, k, True, strides)
     rank_pairs, unrank_pairs, rank_rows = rank_kernels(n_expert, k)
 
-    def launch(stream, act, grouped, route_w, slot_of, down, host_down, out, lo=0, hi=None):
+    def launch(stream, act, grouped, route_w, slot_of, down, host_down, out, lo=0, hi=None, work=None):
         lo, hi = _range(family, n_expert, lo, hi)
         rows = route_w.shape[0]
-        tiles, n_pairs = _max_tiles(rows, k, hi - lo), rows * k
+        if work is None:
+            work = RangeWork(_max_tiles(rows, k, hi - lo), min(k, hi - lo))
+        tiles, n_pairs = work.tiles, rows * k
         if not tiles:
             return
         if n_pairs > PAIR_MASK:
@@ -578,7 +610,7 @@ def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert
         dw, ds = words(down)
         hw, hs = words(host_down)
         launch_kernel(rank_pairs, -(-rows // rank_rows), THREADS, stream, grouped, n_pairs, lo)
-        for q in range(min(k, hi - lo)):    # pass q: each row's q-th smallest expert in the range, ascending
+        for q in range(work.passes):    # pass q: each row's q-th smallest expert in the range, ascending
             launch_kernel(kernel, (col_tiles, tiles), THREADS, stream, act, grouped, route_w, slot_of, dw, ds, dw,
                           ds, hw, hs, hw, hs, out, q, lo, hi)
         launch_kernel(unrank_pairs, -(-n_pairs // 64), 64, stream, grouped, n_pairs)
