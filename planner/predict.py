@@ -5,11 +5,14 @@
   a miss from mapped pinned host memory (zero-copy), so a step needs no copy and no host sync;
 - prefill ring: a chunk streams every expert its tokens touch and the cache lacks, over the host link.
   Per expert, copy time c and compute time g; a ring slot serves one expert per (latency + c + g), so D slots
-  stream at max(c, (latency + c + g) / D) per expert; during a block's dense part (attention, projections)
-  the copy engine idles unless it can copy the next block's experts ahead into the D - 1 other slots.
-  A chunk takes max(compute, streaming, issuing): they run on separate engines and the host, which launches
-  each kernel from Python (`kernel_launch` in the profile), so a shallow ring's many small batches cost
-  launches;
+  stream at max(c, (latency + c + g) / D) per expert. A block's experts are known only once its router has
+  run (the host reads them back), so the copy engine idles through each streaming block's dense part
+  (attention, projections); within the block, batches of D / 2 experts alternate between the ring's halves,
+  the first batch's copy ahead of any expert kernel and the last batch's kernels after every copy. Each batch
+  but a block's first launches its expert kernels again, at the profile's `prefill_ring_batch` latency (their
+  small grids: BENCHMARKS.md, the ring's timeline). A chunk takes max(compute, streaming, issuing): they run
+  on separate engines and the host, which launches each kernel from Python (`kernel_launch` in the profile),
+  so a shallow ring's many small batches cost launches;
 - K/V ring: the last `resident` positions are in VRAM; attention over older ones streams them over the link;
 - MTP: a round drafts n tokens and verifies 1 + n in one window, yielding 1 + a + a^2 + ... + a^n tokens;
 - the host: a decode window or draft step is one graph replay, its copies in and out captured with it: one
@@ -185,18 +188,20 @@ class DeviceCost:
         compute = scale * cost.dense_s(context, resident) + cost.n_nodes * g.graph_node_overhead_s
         if not self.moe_blocks:
             return np.maximum(compute, streamed_kv_bytes / g.host_to_device_bytes_per_s)
-        (expert_compute, touched_read_s, streamed_bytes, streamed_count, stall_per_expert, streaming_blocks, copy,
-         launch_s) = streaming
-        compute = compute + expert_compute + touched_read_s
-        idle_per_block = np.maximum(0.0, scale * cost.block_s(context, resident) - (ring_slots - 1) * copy)
+        (expert_compute, touched_read_s, streamed_bytes, streamed_count, stall_per_expert, streaming_blocks,
+         batch_ends, launch_s) = streaming
+        fill, drain = batch_ends        # a streaming block's first batch's copy, its last batch's kernels
+        compute = compute + expert_compute + touched_read_s + streaming_blocks * fill
         stream = ((streamed_bytes + streamed_kv_bytes) / g.host_to_device_bytes_per_s
-                  + streamed_count * stall_per_expert + streaming_blocks * idle_per_block)
+                  + streamed_count * stall_per_expert
+                  + streaming_blocks * (scale * cost.block_s(context, resident) + drain))
         return np.maximum(np.maximum(compute, stream), launch_s)
 
     def chunk_streaming(self, tokens: int, cache_slots, ring_slots):
-        """What a chunk of `tokens` positions costs in experts, whatever its context: (their arithmetic, their
-        reads from VRAM, bytes and count streamed, the ring's stall per streamed expert, blocks still streaming,
-        a typical expert's copy, the host's time to issue the chunk)."""
+        """What a chunk of `tokens` positions costs in experts, whatever its context: (their arithmetic with
+        the ring batches' launches, their reads from VRAM, bytes and count streamed, the ring's stall per
+        streamed expert, blocks still streaming, (a streaming block's first batch's copy, its last batch's
+        kernels), the host's time to issue the chunk)."""
         g = self.gpu
         if not self.moe_blocks:
             return None
@@ -210,8 +215,13 @@ class DeviceCost:
         copy = self.mean_blob / g.host_to_device_bytes_per_s     # a typical expert's copy, for the ring's stalls
         slot_cycle = g.copy_latency_s + copy + per_expert_compute
         stall_per_expert = np.maximum(0.0, slot_cycle / ring_slots - copy)
+        half = np.maximum(1, np.asarray(ring_slots) // 2)
+        streaming_blocks = self._blocks_streaming(cache_slots)
+        per_block = np.minimum(half, streamed_count / np.maximum(streaming_blocks, 1))     # a first batch's experts
+        extra_batches = streamed_count / half        # beyond each block's one launch, which the calibration timed
+        expert_compute = expert_compute + extra_batches * g.kernels.prefill_ring_batch.latency_s
         return (expert_compute, touched_bytes / g.memory_bandwidth_bytes_per_s, streamed_bytes, streamed_count,
-                stall_per_expert, self._blocks_streaming(cache_slots), copy,
+                stall_per_expert, streaming_blocks, (per_block * copy, per_block * per_expert_compute),
                 self._launch_s(cost.n_nodes, streamed_count, cache_slots, ring_slots))
 
     def _launch_s(self, n_nodes: int, streamed_count, cache_slots, ring_slots):

@@ -47,7 +47,8 @@ class Kernels:
     """The calibration `stratum profile --detect` measures (`runtime.detect`): one fit per kernel family. The
     decode families serve windows of 1..8 rows (memory-bound), the prefill families chunks (compute-bound);
     `*_grouping` is the routed pairs' grouping by expert (one thread block: it follows no roofline), `*_small`
-    every other kernel (norms, RoPE, adds, top-k, K/V store, embedding, argmax)."""
+    every other kernel (norms, RoPE, adds, top-k, K/V store, embedding, argmax); `prefill_ring_batch` (a
+    latency only) what a batch of the prefill ring adds to its block's routed experts beyond their one launch."""
     decode_matmul: KernelFit = KernelFit()
     decode_attention: KernelFit = KernelFit()
     decode_experts: KernelFit = KernelFit()
@@ -58,6 +59,7 @@ class Kernels:
     prefill_experts: KernelFit = KernelFit()
     prefill_grouping: KernelFit = KernelFit()
     prefill_small: KernelFit = KernelFit()
+    prefill_ring_batch: KernelFit = KernelFit()
 
 
 KERNEL_FAMILIES = tuple(f.name for f in fields(Kernels))

@@ -10,17 +10,21 @@ node) is taken off each decode node, and a prompt's wall time beyond its nodes' 
 once a MoE block) is added to its routed-expert nodes. Each node's roofline is the cost model's
 (`codegen.cost.node_roofline_s` at the measured bandwidth and FP32 peak), and a family's fit is the latency and
 efficiency that give its nodes' times best (least squares on absolute error, `fit`): time = latency +
-roofline / efficiency.
+roofline / efficiency. `prefill_ring_batch` is measured directly (`ring_batch_s`): what a block's routed
+experts cost beyond their one launch when launched in the prefill ring's batches.
 """
 
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 from codegen.cost import fitted_s, kernel_family, node_roofline_s
 from codegen.lower.cuda import CapturedGraph, cuda
+from codegen.lower.moe import range_work
+from planner.architecture import tensor_layer
 from planner.kv_lending import needed_pages
 from planner.profile import GPU, KERNEL_FAMILIES, KernelFit, Kernels
 from planner.search import PAGE_TOKENS, solve
@@ -33,6 +37,7 @@ CHUNK_TOKENS = 2048
 SHORT_CHUNK_TOKENS = 512     # prefill nodes timed at two sizes: a fit needs two to tell latency from efficiency
 LONG_CONTEXT_TOKENS = 16384  # decode steps timed at two contexts, 2048 and this, for the same reason
 REPEATS = 15
+RING_BATCH_EXPERTS = 4      # experts a batch of `ring_batch_s` (half of an 8-slot ring, the bundled cards' depth)
 
 
 @cuda.jit
@@ -109,6 +114,10 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
                 for _ in range(2):      # the second request's wall time: the pass is lowered by then
                     out = engine.generate(rng.integers(0, vocab, size=tokens).tolist(), new)
                 timed = timed_nodes(engine, gpu, kind, 1 if kind == "decode" else tokens, tokens)
+                if kind == "prefill" and tokens == CHUNK_TOKENS:
+                    batch_s = ring_batch_s(engine, tokens)
+                    note(f"  a prefill ring batch of {RING_BATCH_EXPERTS} experts: {batch_s * 1e6:.0f} us beyond "
+                         "its block's one launch")
                 if kind == "prefill":
                     note(f"  prefill of {tokens} tokens: {out.prefill_s * 1e3:.1f} ms, its nodes' GPU time "
                          f"{sum(t[3] for t in timed) * 1e3:.1f} ms")
@@ -118,10 +127,47 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
     for family, _, roof, measured in samples:
         by_family[family].append((roof, measured))
     fits = {family: fit(*zip(*by_family[family])) for family in KERNEL_FAMILIES if by_family[family]}
+    fits["prefill_ring_batch"] = KernelFit(efficiency=1.0, latency_s=batch_s)
     for family, fitted in fits.items():
+        if not by_family[family]:
+            continue        # measured, not fitted: printed when measured
         note(f"  {family}: {len(by_family[family])} nodes, {fitted.efficiency:.0%} of the roofline + "
              f"{fitted.latency_s * 1e6:.3g} us")
     return Kernels(**fits), samples
+
+
+def ring_batch_s(engine, tokens: int) -> float:
+    """Seconds a batch of RING_BATCH_EXPERTS consecutive experts adds to a block's routed experts when they
+    are launched batch by batch (as the prefill ring streams them, each with its routing's `RangeWork`)
+    rather than at once: the first MoE block of the engine's `tokens`-row prefill, its experts all in VRAM
+    (no copies), both ways timed between events, medians. The pass's earlier steps run first, so the block's
+    inputs are the prompt's (the engine has just read one of `tokens` tokens)."""
+    program = engine._program("prefill", tokens)
+    steps = {step.name: step for step in program.steps}
+    gate_up = next(step for step in program.steps
+                   if program.graph.nodes[step.name]["op"] == "moe_swiglu_matmul")
+    block = tensor_layer(gate_up.name)
+    down = steps[f"blk.{block}.moe_down"]
+    for step in program.steps[:program.steps.index(gate_up)]:
+        step.run(engine.compute)
+    routed = program.tensors[f"blk.{block}.topk"].copy_to_host(stream=engine.compute)
+    engine.compute.synchronize()
+    n_expert = engine.experts.n_expert
+    edges = list(range(0, n_expert, RING_BATCH_EXPERTS)) + [n_expert]
+    batched = list(zip(edges, edges[1:], range_work(routed, n_expert, edges)))
+    if len(batched) < 2:
+        return 0.0          # every expert in one batch: nothing beyond the one launch
+    once = [(0, n_expert, range_work(routed, n_expert, [0, n_expert])[0])]
+
+    def launches(ranges):
+        def run(stream):
+            for lo, hi, work in ranges:
+                gate_up.launch(stream, *gate_up.args, lo=lo, hi=hi, work=work)
+                down.launch(stream, *down.args, lo=lo, hi=hi, work=work)
+        return run
+    seconds = [float(np.median(node_times_s([SimpleNamespace(run=launches(r))], engine.compute, REPEATS, 20000)))
+               for r in (once, batched)]
+    return max(0.0, (seconds[1] - seconds[0]) / (len(batched) - 1))
 
 
 def _with_host_waits(timed: list, wall_s: float) -> list:

@@ -213,24 +213,24 @@ def test_moe_groups_refuses_too_many_experts():
         moe.make_moe_groups(2048, 8)
 
 
-@pytest.mark.parametrize("lo", [0, 3])
-def test_moe_rank_marks_each_pairs_rank_in_the_range_and_whether_it_adds(rng, lo):
-    """The first kernel of a prefill down launch over experts >= lo: each pair's list entry carries its rank
-    among its row's experts >= lo (ascending) and ADDS when its row has a smaller expert at all (its term is
-    not the row's first); the launch's last kernel restores the list."""
+@pytest.mark.parametrize("lo, hi", [(0, 8), (3, 6)])
+def test_moe_rank_marks_each_pairs_rank_in_the_range(rng, lo, hi):
+    """The first kernel of a prefill down launch over experts lo..hi - 1: each of their pairs' list entries
+    carries its rank among its row's experts in the range (ascending), every other entry is left as it was;
+    the launch's last kernel restores the list."""
     n_expert, k, rows = 8, 3, 9
     ids = top_ids(rng, rows, n_expert, k)
     groups = run_groups(ids, n_expert, k)
     plain = groups.copy_to_host()
     rank, unrank, rows_per_block = moe.rank_kernels(n_expert, k)
-    rank[-(-rows // rows_per_block), moe.THREADS](groups, ids.size, lo)
+    rank[-(-rows // rows_per_block), moe.THREADS](groups, ids.size, lo, hi)
     entries = groups.copy_to_host()[n_expert + 1:n_expert + 1 + ids.size]
     for entry in entries.tolist():
         pair = entry & moe.PAIR_MASK
         row = ids[pair // k].tolist()
         expert = row[pair % k]
-        assert entry >> moe.RANK_AT == sum(lo <= other < expert for other in row)
-        assert bool(entry & moe.ADDS) == any(other < expert for other in row)
+        in_range = sum(lo <= other < expert for other in row) if lo <= expert < hi else 0
+        assert entry >> moe.RANK_AT == in_range
     unrank[-(-ids.size // 64), 64](groups, ids.size)
     assert np.array_equal(groups.copy_to_host(), plain)
 

@@ -159,14 +159,16 @@ def test_the_room_adds_ring_slots_without_shrinking_the_chunk(air_8g):
     # the room lives in the drafter's expert block, which the plan holds either way: no region grows for it
     drafter = [r for r in air_8g.devices[0]["regions"] if r["name"] == "drafter_experts"][0]
     assert air_8g.knobs["room_slots"] * air_8g.knobs["slot_bytes"] == drafter["bytes"]
-    long_reads = [row for row in air_8g.predictions["prefill"] if row["room_open"]]
-    assert long_reads, "the room opens for long reads"
     assert shut.knobs["chunk_tokens"] == air_8g.knobs["chunk_tokens"]
 
 
-def test_the_room_threshold_skips_short_reads(air_8g):
-    threshold = air_8g.knobs["room_min_read_tokens"]
-    assert threshold is not None and threshold > 1
+def test_the_room_stays_shut_when_its_first_batch_costs_more_than_it_saves(air_8g):
+    """The ring streams a block's experts in batches of half its slots, each copied whole before its kernels
+    start: the room's 128 slots make a block's first batch 65 experts (on this card 0.11 s of copies that no
+    kernel overlaps, in each of 45 blocks a chunk), more than the batches and stalls it saves, so no read opens it (BENCHMARKS.md, the
+    prefill ring's timeline); the threshold rule agrees at every length the workload reads."""
+    assert air_8g.knobs["room_min_read_tokens"] is None
+    assert not any(row["room_open"] for row in air_8g.predictions["prefill"])
     problem = make_problem("rtx-2060-super-8g", "glm-4.5-air-q4_k_m", context=32768, kv="q8_0", mtp=True)
     from planner.search import prefill_s
     knobs = air_8g.knobs
@@ -174,7 +176,7 @@ def test_the_room_threshold_skips_short_reads(air_8g):
         args = (problem, read, 0, knobs["chunk_tokens"], knobs["kv_pages"], knobs["prefill_ring_slots"],
                 knobs["expert_cache_slots"])
         return float(prefill_s(*args, room=False) - prefill_s(*args, room=True)) - problem.room_reclaim_s
-    assert gain(threshold - 1) <= 0 < gain(threshold)
+    assert all(gain(row["read_tokens"]) <= 0 for row in air_8g.predictions["prefill"])
 
 
 def test_reused_prefix_counts_only_the_tokens_read(air_8g):

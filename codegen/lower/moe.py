@@ -18,8 +18,7 @@ cols) contiguous, or blob-major (`slot_bytes` > 0: slot s starts s * slot_bytes 
 slot an expert is read from.
 
 The weighted sum: each output row adds its k terms in ascending expert id order (top-k picks distinct
-experts per row): the term of the row's smallest expert writes out[r] = w * dot, every later one does
-out[r] = out[r] + w * dot (decode: the same order, summed in registers).
+experts per row), out[r] = out[r] + w * dot from out[r] = 0 (decode: the same order, summed in registers).
 
 decode family: a window's rows pick distinct experts each (top-k does), so an expert has at most
   MAX_WINDOW pairs. gate/up: block (column group, y) computes every pair of the y-th active expert with one
@@ -30,15 +29,15 @@ prefill family: each expert is a small GEMM over its gathered pairs, tiled by th
   numbered across the experts of the launch's range lo <= e < hi (an in-block scan of the offsets maps a
   block to its expert and tile); pairs of other experts are not touched (gate/up leaves their act rows).
   down runs min(k, hi - lo) passes (or the routing's `RangeWork.passes`), pass q over the pairs whose expert
-  has rank q among its row's experts in the range (ascending ids), each row once per pass; the term of a row's
-  smallest expert overall writes, every other adds, so the weighted sum is in ascending expert order, and launches over [0, a), [a, b), ...,
-  [z, n_expert) in turn give bitwise the out of one launch over [0, n_expert) (the ranges a prefill ring
-  streams experts in; a one-expert range is one pass). Each pass reads an expert's weights once. A first
-  kernel of the launch finds every pair's rank and whether it adds (one scan of the pairs list per block of
-  rows) and keeps them in the spare high bits of the pair's list entry (RANK_SHIFT..30); the launch's last
-  kernel clears them,
-  so the groups buffer is as it was once the launch is done. Prefill kernels mask the bits off wherever they
-  read pairs; nothing else may read the pairs list while a prefill down launch is in flight.
+  has rank q among its row's experts in the range (ascending ids), each row once per pass, every term added
+  to out (a launch from lo = 0 zeroes it first), so the weighted sum is in ascending expert order, and
+  launches over [0, a), [a, b), ..., [z, n_expert) in turn give bitwise the out of one launch over
+  [0, n_expert) (the ranges a prefill ring streams experts in; a one-expert range is one pass). Each pass
+  reads an expert's weights once. A first kernel of the launch finds the rank of every pair of the range's
+  experts (one scan of their part of the pairs list per block of rows) and keeps it in the spare high bits of
+  the pair's list entry (RANK_AT..30); the launch's last kernel clears them, so the groups buffer is as it
+  was once the launch is done. Prefill kernels mask the bits off wherever they read pairs; nothing else may
+  read the pairs list while a prefill down launch is in flight.
 """
 
 import functools
@@ -47,7 +46,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import cuda, launch_kernel
+from codegen.lower.cuda import cuda, fill_zero, launch_kernel
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
                                   check, check_aligned, decode_core, prefill_core, silu, window_rows, words)
 from codegen.lower.word_formats import FORMATS
@@ -341,42 +340,43 @@ def _find_tile(grouped, tile_index, lo, hi, bm, scan, found):
     return found[0], found[1]
 
 
-RANK_SHIFT = 26            # during a down launch, bit 26 of a pair's list entry says it adds, 27..30 its rank
-PAIR_MASK = (1 << RANK_SHIFT) - 1
-ADDS = 1 << RANK_SHIFT
-RANK_AT = RANK_SHIFT + 1
+RANK_AT = 26               # during a down launch, bits 26..30 of a pair's list entry hold its rank
+PAIR_MASK = (1 << RANK_AT) - 1
 MAX_RANKED_K = 1 << (31 - RANK_AT)
 RANK_PAIRS = 8192          # pairs of the rows a rank block owns: their experts sit in shared memory (int16)
 
 
 @functools.cache
 def rank_kernels(n_expert: int, k: int):
-    """(rank, unrank, rows per rank block): rank[ceil(rows / that), THREADS](groups, n_pairs, lo) sets bits
-    RANK_AT.. of each pair's list entry to the pair's rank among its row's experts e >= lo (ascending ids; a
-    repeated expert, which top-k never gives, ranks by slot), and bit RANK_SHIFT (ADDS) when the row has a
-    smaller expert; unrank[ceil(n_pairs / 64), 64](groups, n_pairs) clears them. A rank block owns
-    RANK_PAIRS // k rows: one scan of the list finds the expert of each of
-    their pairs (a binary search of the offsets), a second writes the ranks."""
+    """(rank, unrank, rows per rank block): rank[ceil(rows / that), THREADS](groups, n_pairs, lo, hi) sets
+    bits RANK_AT.. of the list entry of each pair of an expert lo <= e < hi to the pair's rank among its row's
+    experts in that range (ascending ids; a repeated expert, which top-k never gives, ranks by slot);
+    unrank[ceil(n_pairs / 64), 64](groups, n_pairs) clears them. A rank block owns RANK_PAIRS // k rows: one
+    scan of the range's part of the list finds the expert of each of their pairs in it (a binary search of
+    the offsets), a second writes the ranks. Only the range's part is read: a narrow range (a prefill ring's
+    batch) ranks in a few us, where a scan of the whole list took ~0.15 ms a launch (BENCHMARKS.md)."""
     if not 0 < k <= MAX_RANKED_K:
         raise ValueError(f"top {k} experts: the prefill down projection ranks at most {MAX_RANKED_K} per row")
     window = RANK_PAIRS // k
     pairs_at = n_offsets = n_expert + 1
-    last = n_expert - 1
 
     @cuda.jit
-    def rank(grouped, n_pairs, lo):
-        expert_of = cuda.shared.array(RANK_PAIRS, np.int16)
+    def rank(grouped, n_pairs, lo, hi):
+        expert_of = cuda.shared.array(RANK_PAIRS, np.int16)      # -1: the pair's expert is outside the range
         offsets = cuda.shared.array(n_offsets, np.int32)
         t = cuda.threadIdx.x & IDX
         p0 = (cuda.blockIdx.x & BIDX) * window * k
         p1 = min(n_pairs, p0 + window * k)
         for e in range(t, n_offsets, THREADS):
             offsets[e] = grouped[e]
+        for i in range(t, window * k, THREADS):
+            expert_of[i] = -1
         cuda.syncthreads()
-        for pos in range(t, n_pairs, THREADS):
+        start, end = offsets[lo], offsets[hi]
+        for pos in range(start + t, end, THREADS):
             p = grouped[pairs_at + pos] & PAIR_MASK
             if p0 <= p < p1:
-                below, above = 0, last      # the last expert whose pairs start at or before pos
+                below, above = lo, hi - 1    # the last expert whose pairs start at or before pos
                 while below < above:
                     mid = (below + above + 1) >> 1
                     if offsets[mid] <= pos:
@@ -385,21 +385,18 @@ def rank_kernels(n_expert: int, k: int):
                         above = mid - 1
                 expert_of[p - p0] = below
         cuda.syncthreads()
-        for pos in range(t, n_pairs, THREADS):
+        for pos in range(start + t, end, THREADS):
             p = grouped[pairs_at + pos] & PAIR_MASK
             if p0 <= p < p1:
                 i = p - p0
                 j = i % k
                 mine = expert_of[i]
                 r = 0
-                adds = 0
                 for m in range(k):
                     other = expert_of[i - j + m]
-                    if other < mine or (other == mine and m < j):
-                        adds = ADDS
-                        if other >= lo:
-                            r += 1
-                grouped[pairs_at + pos] = p | adds | (r << RANK_AT)
+                    if other >= 0 and (other < mine or (other == mine and m < j)):
+                        r += 1
+                grouped[pairs_at + pos] = p | (r << RANK_AT)
 
     @cuda.jit
     def unrank(grouped, n_pairs):
@@ -419,8 +416,7 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
     gate/up (down False; rank -1, route_w unused): the expert's pairs in list order, x rows pair // k, tile
       rows 0..63 gate and 64..127 up for the same 64 columns; out (act) row pair = silu(gate) * up.
     down (rank q; the entries carry ranks, `rank_kernels`): the expert's pairs of rank q, numbered in list
-      order, x (act) rows pair; out row pair // k = route_w * dot, or out + route_w * dot for a pair marked
-      ADDS."""
+      order, x (act) rows pair; out row pair // k += route_w * dot."""
     bm = PREFILL_BM
     tile = prefill_core(ggml_type, n_in, bm)
     tm = bm // 16
@@ -461,7 +457,7 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
                 entry = grouped[pairs_at + first + q]
                 if entry >> RANK_AT == rank:
                     if tile_no * bm <= number < (tile_no + 1) * bm:
-                        pairs[number - tile_no * bm] = entry & (PAIR_MASK | ADDS)
+                        pairs[number - tile_no * bm] = entry & PAIR_MASK
                     number += 1
         elif t < bm:
             q = tile_no * bm + t
@@ -479,16 +475,12 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
         for i in range(tm):
             p = pairs[(i // 4) * (bm // (tm // 4)) + ty * 4 + i % 4]
             if p >= 0:
-                adds = p & ADDS
-                p = p & PAIR_MASK
                 weight = route_w[p // k, p % k] if down else np.float32(0)
                 for j in range(8 if down else 4):
                     n = n0 + (j // 4) * (BN // 2) + tx * 4 + j % 4
                     if n < n_cols:
                         if not down:
                             out[p, n] = silu(acc[i, j]) * acc[i, j + 4]
-                        elif adds == 0:
-                            out[p // k, n] = weight * acc[i, j]
                         else:
                             out[p // k, n] = out[p // k, n] + weight * acc[i, j]
 
@@ -603,13 +595,15 @@ def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert
         if work is None:
             work = RangeWork(_max_tiles(rows, k, hi - lo), min(k, hi - lo))
         tiles, n_pairs = work.tiles, rows * k
-        if not tiles:
-            return
         if n_pairs > PAIR_MASK:
             raise ValueError(f"{rows} rows x top {k}: the prefill down projection takes at most {PAIR_MASK} pairs")
+        if lo == 0:     # the ranges' terms add from zero
+            fill_zero(out, stream)
+        if not tiles:
+            return
         dw, ds = words(down)
         hw, hs = words(host_down)
-        launch_kernel(rank_pairs, -(-rows // rank_rows), THREADS, stream, grouped, n_pairs, lo)
+        launch_kernel(rank_pairs, -(-rows // rank_rows), THREADS, stream, grouped, n_pairs, lo, hi)
         for q in range(work.passes):    # pass q: each row's q-th smallest expert in the range, ascending
             launch_kernel(kernel, (col_tiles, tiles), THREADS, stream, act, grouped, route_w, slot_of, dw, ds, dw,
                           ds, hw, hs, hw, hs, out, q, lo, hi)
