@@ -69,7 +69,8 @@ class PassCost:
         return self.fixed_s + self.attention_s(context_tokens, resident_tokens)
 
     def block_s(self, context_tokens, resident_tokens):
-        """One MoE block's dense part: the window in which a deep prefill ring copies ahead."""
+        """One MoE block's dense part: the time the prefill ring's copy engine idles in each streaming block (its
+        experts are known only once its router has run)."""
         return self.block_fixed_s + self.attention_s(context_tokens, resident_tokens, per_block=True)
 
 

@@ -573,8 +573,8 @@ def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert
     the sum over the row's experts e = ids[r, j], in ascending id order, of route_w[r, j] * (D @ act[r * k + j]), with
     D = down[slot_of[e]] (down: slots of n_out x n_ff, contiguous or `slot_bytes` apart), or host_down[e]
     ((n_expert, n_out, n_ff)) when slot_of[e] < 0. prefill: only the terms of experts lo <= e < hi (hi None:
-    n_expert); the smallest expert's term writes out[r], the others add, so launches over [0, a), [a, b), ...,
-    [z, n_expert) in that order give bitwise the out of one launch over every expert (with or without their
+    n_expert); every term adds to out[r], which a launch from lo = 0 zeroes first, so launches over [0, a),
+    [a, b), ..., [z, n_expert) in that order give bitwise the out of one launch over every expert (with or without their
     `RangeWork`: the passes it skips have no pairs). decode: every expert, no range, no work."""
     check(family, ggml_type, n_ff, n_out)
     strides = expert_strides(ggml_type, n_out, n_ff, slot_bytes)
