@@ -146,7 +146,13 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
     }
 
 
-def print_table(rows: list) -> None:
+PERCENT_COLUMNS = ("prefill floor", "of floor", "hit rate", "hit predicted", "prefill error", "decode error",
+                   "python overhead")
+
+
+def print_table(rows: list, percent: tuple = PERCENT_COLUMNS) -> None:
+    """Rows (dicts of the same keys) as a markdown table; `percent`: the columns written as percentages (signed
+    where the name says error)."""
     columns = list(rows[0])
     print("| " + " | ".join(columns) + " |")
     print("| " + " | ".join("---" for _ in columns) + " |")
@@ -156,8 +162,7 @@ def print_table(rows: list) -> None:
             value = row[key]
             if value is None:
                 cells.append("-")
-            elif key in ("prefill floor", "of floor", "hit rate", "hit predicted", "prefill error", "decode error",
-                         "python overhead"):
+            elif key in percent:
                 cells.append(f"{value:+.0%}" if "error" in key else f"{value:.0%}")
             elif isinstance(value, float):
                 cells.append(f"{value:.3g}" if value < 100 else f"{value:.0f}")

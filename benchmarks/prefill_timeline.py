@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.e2e import built_weights, measure_links, nearest, random_prompts
+from benchmarks.e2e import built_weights, measure_links, nearest, print_table, random_prompts
 from benchmarks.validate import budget_profile
 from codegen.lower.cuda import cuda
 from planner.model import load_model
@@ -113,15 +113,6 @@ class RingTimeline:
         return out
 
 
-def print_rows(rows: list) -> None:
-    columns = list(rows[0])
-    print("| " + " | ".join(columns) + " |")
-    print("| " + " | ".join("---:" for _ in columns) + " |")
-    for row in rows:
-        print("| " + " | ".join("-" if row[c] is None else f"{row[c]:.0%}" if c == "overlap" else
-                                f"{row[c]:.2f}" if isinstance(row[c], float) else str(row[c]) for c in columns) + " |")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", required=True, help="this machine's profile (stratum profile --detect)")
@@ -167,7 +158,7 @@ def main():
                   f"({args.prompt_tokens / plain:.0f} tok/s, predicted {predicted:.0f}), {streamed / 1e9:.2f} GB "
                   f"streamed ({streamed / ceilings['pinned'] * 1e3:.1f} ms at the measured pinned bandwidth); "
                   f"with the timeline's events {timed * 1e3:.1f} ms")
-            print_rows(rows)
+            print_table(rows, percent=("overlap",))
             totals = defaultdict(float)
             for row in rows:
                 for key in ("dense ms", "sync ms", "issue ms", "copy ms", "experts ms", "span ms"):

@@ -222,17 +222,17 @@ class DeviceCost:
         expert_compute = expert_compute + extra_batches * g.kernels.prefill_ring_batch.latency_s
         return (expert_compute, touched_bytes / g.memory_bandwidth_bytes_per_s, streamed_bytes, streamed_count,
                 stall_per_expert, streaming_blocks, (per_block * copy, per_block * per_expert_compute),
-                self._launch_s(cost.n_nodes, streamed_count, cache_slots, ring_slots))
+                self._launch_s(cost.n_nodes, extra_batches, half, cache_slots))
 
-    def _launch_s(self, n_nodes: int, streamed_count, cache_slots, ring_slots):
+    def _launch_s(self, n_nodes: int, extra_batches, half, cache_slots):
         """Host time to issue a chunk from Python, one `kernel_launch` a call: every node's kernel, and per
-        ring batch (half the ring's experts, ascending) its gate/up kernel, the down launch's rank kernel, one
-        pass per expert rank in the batch and the clearing kernel, two copies (data, scales) per matrix for
-        each run of consecutive expert ids (a cached expert between two streamed ones splits a run), and four
-        event calls. Issuing overlaps the GPU's work: it binds only when it is the longest."""
+        ring batch (`half` the ring's experts, ascending; a block's one batch and its `extra_batches`) its
+        gate/up kernel, the down launch's rank kernel, one pass per expert rank that occurs in the batch (at
+        most min(k, half)) and the clearing kernel, two copies (data, scales) per matrix for each run of
+        consecutive expert ids (a cached expert between two streamed ones splits a run), and four event calls.
+        Issuing overlaps the GPU's work: it binds only when it is the longest."""
         k = self.model.hparams.n_expert_used
-        half = np.maximum(1, np.asarray(ring_slots) // 2)
-        batches = streamed_count / half + len(self.moe_blocks)
+        batches = extra_batches + len(self.moe_blocks)
         cached_share = np.minimum(1.0, np.asarray(cache_slots) / max(1, len(self.moe_blocks)) / self.n_expert)
         runs = 1 + (half - 1) * cached_share
         per_batch = 3 + np.minimum(k, half) + 6 * runs + 4

@@ -164,8 +164,8 @@ def test_the_room_adds_ring_slots_without_shrinking_the_chunk(air_8g):
 
 def test_the_room_stays_shut_when_its_first_batch_costs_more_than_it_saves(air_8g):
     """The ring streams a block's experts in batches of half its slots, each copied whole before its kernels
-    start: the room's 128 slots make a block's first batch 65 experts (on this card 0.11 s of copies that no
-    kernel overlaps, in each of 45 blocks a chunk), more than the batches and stalls it saves, so no read opens it (BENCHMARKS.md, the
+    start: the room's 128 slots make a block's first batch 65 experts (0.11 s of copies that no kernel
+    overlaps at this card's 6.5 GB/s, as the planner prices it, in each of 45 blocks a chunk), more than the batches and stalls it saves, so no read opens it (BENCHMARKS.md, the
     prefill ring's timeline); the threshold rule agrees at every length the workload reads."""
     assert air_8g.knobs["room_min_read_tokens"] is None
     assert not any(row["room_open"] for row in air_8g.predictions["prefill"])

@@ -287,8 +287,7 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
     dims = _dims_of.get(shape)
     if dims is None:
         dims = _dims_of[shape] = (*_dims(griddim), *_dims(blockdim))
-    handle = stream.handle if stream else cuda.default_stream().handle
-    err, = _driver.cuLaunchKernel(found[0], *dims, 0, _driver.CUstream(int(handle)), pointers.ctypes.data, 0)
+    err, = _driver.cuLaunchKernel(found[0], *dims, 0, _stream_handle(stream), pointers.ctypes.data, 0)
     if err != _driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"launching {getattr(kernel, '__name__', kernel)} on grid {griddim} x {blockdim} "
                            f"failed: {err}")
@@ -343,15 +342,13 @@ def copy_rows(dst, dst_row: int, src, src_row: int, rows: int, stream) -> None:
         else:
             dst[dst_row:dst_row + rows].copy_to_device(src[src_row:src_row + rows], stream=stream)
         return
-    from cuda.bindings import driver
     host_at = host.ctypes.data + (dst_row if to_host else src_row) * row_bytes
     device_at = device.device_ctypes_pointer.value + (src_row if to_host else dst_row) * row_bytes
-    handle = driver.CUstream(int(stream.handle))
     if to_host:
-        err, = driver.cuMemcpyDtoHAsync(host_at, device_at, rows * row_bytes, handle)
+        err, = _driver.cuMemcpyDtoHAsync(host_at, device_at, rows * row_bytes, _stream_handle(stream))
     else:
-        err, = driver.cuMemcpyHtoDAsync(device_at, host_at, rows * row_bytes, handle)
-    if err != driver.CUresult.CUDA_SUCCESS:
+        err, = _driver.cuMemcpyHtoDAsync(device_at, host_at, rows * row_bytes, _stream_handle(stream))
+    if err != _driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"an asynchronous copy of {rows * row_bytes} bytes failed: {err}")
 
 
@@ -363,8 +360,7 @@ def fill_zero(array, stream) -> None:
     if SIMULATOR:
         array.copy_to_device(np.zeros(array.shape, array.dtype), stream=stream)
         return
-    err, = _driver.cuMemsetD8Async(array.device_ctypes_pointer.value, 0, array.nbytes,
-                                   _driver.CUstream(int(stream.handle if stream else 0)))
+    err, = _driver.cuMemsetD8Async(array.device_ctypes_pointer.value, 0, array.nbytes, _stream_handle(stream))
     if err != _driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"zeroing {array.nbytes} bytes failed: {err}")
 
@@ -389,18 +385,17 @@ def copy_into_rows(dst, dst_row: int, offset_bytes: int, src, src_row: int, rows
         for i in range(rows):
             dst[dst_row + i, offset_bytes:offset_bytes + row_bytes].copy_to_device(flat[src_row + i], stream=stream)
         return
-    from cuda.bindings import driver
-    copy = driver.CUDA_MEMCPY2D()
-    copy.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_HOST
+    copy = _driver.CUDA_MEMCPY2D()
+    copy.srcMemoryType = _driver.CUmemorytype.CU_MEMORYTYPE_HOST
     copy.srcHost = src.ctypes.data + src_row * row_bytes
     copy.srcPitch = row_bytes
-    copy.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    copy.dstMemoryType = _driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
     copy.dstDevice = dst.device_ctypes_pointer.value + dst_row * dst.strides[0] + offset_bytes
     copy.dstPitch = dst.strides[0]
     copy.WidthInBytes = row_bytes
     copy.Height = rows
-    err, = driver.cuMemcpy2DAsync(copy, driver.CUstream(int(stream.handle)))
-    if err != driver.CUresult.CUDA_SUCCESS:
+    err, = _driver.cuMemcpy2DAsync(copy, _stream_handle(stream))
+    if err != _driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"an asynchronous copy of {rows} rows of {row_bytes} bytes failed: {err}")
 
 
@@ -460,6 +455,11 @@ def _marshal_array(kernel, array) -> tuple:
     return entry
 
 
+def _stream_handle(stream):
+    """The driver's handle of a numba stream; 0 or None: the default (legacy) stream."""
+    return _driver.CUstream(int(stream.handle) if stream else 0)
+
+
 def _dims(dims) -> tuple:
     """(x, y, z) of a grid or block given as an int or a tuple of 1-3 ints."""
     dims = tuple(int(d) for d in dims) if isinstance(dims, tuple) else (int(dims),)
@@ -481,20 +481,18 @@ class CapturedGraph:
         self.enqueue, self.executable, self.graph = enqueue, None, None
         if SIMULATOR:
             return
-        from cuda.bindings import driver
-        self._driver = driver
-        handle = driver.CUstream(int(stream.handle))
-        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
-        self._checked(driver.cuStreamBeginCapture(handle, mode))
+        handle = _stream_handle(stream)
+        mode = _driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        self._checked(_driver.cuStreamBeginCapture(handle, mode))
         try:
             enqueue(stream)
         finally:
-            self.graph = self._checked(driver.cuStreamEndCapture(handle))
-        self.executable = self._checked(driver.cuGraphInstantiate(self.graph, 0))
+            self.graph = self._checked(_driver.cuStreamEndCapture(handle))
+        self.executable = self._checked(_driver.cuGraphInstantiate(self.graph, 0))
 
     def _checked(self, result):
         err, *rest = result
-        if err != self._driver.CUresult.CUDA_SUCCESS:
+        if err != _driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"CUDA driver call failed: {err}")
         return rest[0] if len(rest) == 1 else (rest or None)
 
@@ -502,12 +500,12 @@ class CapturedGraph:
         if SIMULATOR:
             self.enqueue(stream)
             return
-        self._checked(self._driver.cuGraphLaunch(self.executable, self._driver.CUstream(int(stream.handle))))
+        self._checked(_driver.cuGraphLaunch(self.executable, _stream_handle(stream)))
 
     def close(self) -> None:
         if self.executable is not None:
-            self._checked(self._driver.cuGraphExecDestroy(self.executable))
-            self._checked(self._driver.cuGraphDestroy(self.graph))
+            self._checked(_driver.cuGraphExecDestroy(self.executable))
+            self._checked(_driver.cuGraphDestroy(self.graph))
             self.executable = self.graph = None
 
 
