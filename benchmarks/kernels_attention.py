@@ -3,7 +3,7 @@ against the float64 reference and timed), then the production kernels of `codege
 attention over 32K tokens of K/V and prefill attention, against the ceilings `runtime.ceilings` measures in
 the same run.
 
-    NUMBA_ENABLE_CUDASIM=0 PYTHONPATH=. python3 benchmarks/kernels_attention.py [--sweep]
+    NUMBA_ENABLE_CUDASIM=0 PYTHONPATH=. python3 benchmarks/kernels_attention.py [--sweep] [--prefill]
 
 Shape: Qwen3-30B-A3B (32 query heads, 4 kv heads, head dim 128), pages of 256 positions, K/V in f16 and q8_0.
 Decode: a window of 1 or 4 rows at positions 32764..32767 (32K tokens of K/V); a figure is partials + combine.
@@ -23,10 +23,13 @@ Versions (decode):
       (codegen.lower.attention with Tuning(convert=frozenset()))
   v4  v3 with f16 (and f32) tiles read through a float16 view, converted by hardware (one cvt a value
       instead of ~12 instructions); "v4 +q8" converts q8_0 too (int8 view, I2F, times the scale); the
-      prefill kernel's cut today
+      cut of prefill v1
   v5  production (codegen.lower.attention_decode): a warp per tile of 32 positions, a lane per position for
       the scores (its K row read straight from the page, 4 chunks in flight) and per V dims for P V (4 rows
       in flight), the tile's max by shuffles, DECODE_WARPS warps a block merged at the end
+Prefill (--prefill: only this table): v1, the previous kernel (`codegen.lower.attention`, a block's 8 rows one
+after another, five barriers a row and tile); v2, production (`codegen.lower.attention_prefill`, a block's 32
+query vectors against each staged tile at once, register-blocked scores and P V).
 With --sweep, v4 is timed under other block cuts (`attention.Tuning`) and v5 with other warps a block.
 """
 
@@ -277,20 +280,27 @@ def prefill_table(rng, peak: float) -> None:
             layers = Layers(rng, kv_name, chunk, chunk, copies=1)
             positions = np.arange(chunk, dtype=np.int32)
             out = cuda.device_array((chunk, s["n_head"] * s["dv"]), np.float32)
-            launch = att.make_attention("prefill", kv_name, s["n_head"], s["n_head_kv"], s["dk"], s["dv"],
-                                        s["page_tokens"])
             d_q, d_positions = cuda.to_device(layers.q), cuda.to_device(positions)
-            enqueues = [lambda stream, p=p: launch(stream, d_q, d_positions, layers.table, p, out)
-                        for p in layers.layers]
-            enqueues[0](cuda.default_stream())
             check = positions[-CHECK_ROWS:]
-            err = relative_error(out.copy_to_host()[check], layers.reference(layers.q[check], check))
-            seconds = graph_seconds(enqueues, repeats=5)
-            flops = s["n_head"] * FLOPS_PER_HEAD_TOKEN * chunk * (chunk + 1) / 2
-            rows.append([kv_name, chunk, f"{seconds * 1e6:.0f}", f"{flops / seconds / 1e12:.1f}",
-                         f"{flops / seconds / peak:.0%}", f"{err:.1e}"])
-    print_table("prefill attention, a chunk from position 0 (causal FLOPs)", ["kv", "chunk", "us", "TFLOP/s",
-                                                                            "% FMA peak", "rel err"], rows)
+            for version, launch in prefill_versions(kv_name).items():
+                enqueues = [lambda stream, p=p, launch=launch: launch(stream, d_q, d_positions, layers.table, p, out)
+                            for p in layers.layers]
+                enqueues[0](cuda.default_stream())
+                err = relative_error(out.copy_to_host()[check], layers.reference(layers.q[check], check))
+                seconds = graph_seconds(enqueues, repeats=5)
+                flops = s["n_head"] * FLOPS_PER_HEAD_TOKEN * chunk * (chunk + 1) / 2
+                rows.append([version, kv_name, chunk, f"{seconds * 1e6:.0f}", f"{flops / seconds / 1e12:.1f}",
+                             f"{flops / seconds / peak:.0%}", f"{err:.1e}"])
+    print_table("prefill attention, a chunk from position 0 (causal FLOPs)",
+                ["version", "kv", "chunk", "us", "TFLOP/s", "% FMA peak", "rel err"], rows)
+
+
+def prefill_versions(kv_name: str) -> dict:
+    """v1: the previous kernel (`codegen.lower.attention`, a block's rows one after another); v2: production
+    (`codegen.lower.attention_prefill`, flash-attention style over a block's query vectors at once)."""
+    s = QWEN3_30B
+    shape = (kv_name, s["n_head"], s["n_head_kv"], s["dk"], s["dv"], s["page_tokens"])
+    return {"v1": att._attention_launch("prefill", *shape, att.TUNING), "v2": att.make_attention("prefill", *shape)}
 
 
 def main(argv=()):
@@ -298,7 +308,8 @@ def main(argv=()):
     bandwidth, peak = read_bandwidth_bytes_per_s(), fp32_peak_flops()
     print(f"{cuda.get_current_device().name}: read bandwidth {bandwidth / 1e12:.2f} TB/s, FP32 FMA peak "
           f"{peak / 1e12:.1f} TFLOP/s")
-    decode_versions(rng, bandwidth, peak, "--sweep" in argv)
+    if "--prefill" not in argv:
+        decode_versions(rng, bandwidth, peak, "--sweep" in argv)
     prefill_table(rng, peak)
 
 

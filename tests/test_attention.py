@@ -61,9 +61,12 @@ class Setup:
         return attention(self.q[positions - self.q_from], self.k_ref[:ctx], self.v_ref[:ctx], positions, self.n_head,
                          self.n_head_kv)
 
-    def prefill(self, positions, tuning=att.TUNING, host_pages=None):
-        launch = att._attention_launch("prefill", self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv,
-                                       self.page_tokens, tuning)
+    def prefill(self, positions, tuning=None, host_pages=None, window=0):
+        """The production prefill kernel's rows, or with a `tuning` the previous kernel's (the benchmark's v1)."""
+        launch = (att.make_attention("prefill", self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv,
+                                     self.page_tokens, window) if tuning is None else
+                  att._attention_launch("prefill", self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv,
+                                        self.page_tokens, tuning, window))
         out = cuda.to_device(np.full((len(positions), self.n_head * self.dv), np.nan, np.float32))
         launch(0, cuda.to_device(self.q[positions - self.q_from]), cuda.to_device(positions.astype(np.int32)),
                self.d_table, self.pages, out, host_pages)
@@ -217,6 +220,32 @@ def test_prefill_rows_are_bitwise_the_same_for_every_chunking(rng):
                                           err_msg=f"chunk {chunk} at {begin}")
 
 
+def test_a_drafters_prefill_window_reads_only_its_last_positions(rng):
+    """window_tokens W in prefill (the drafter reading its prompt): the row at p attends p - W + 1 .. p, also
+    when the table marks the pages wholly older than every row's window missing with no host copy, and each
+    row's bits are its own whatever rows share the launch."""
+    width, ctx = 13, 70
+    setup = Setup(rng, "q8_0", ctx, n_head=2, n_head_kv=1)
+    positions = np.arange(40, ctx)
+    oldest_page = (positions[0] - width + 1) // setup.page_tokens
+    missing = np.arange(len(setup.table)) < oldest_page
+    setup.d_table = cuda.to_device(np.where(missing, -1, setup.table).astype(np.int32))
+    got = setup.prefill(positions, window=width)
+    for row, p in enumerate(positions):
+        first = p - width + 1
+        want = attention(setup.q[p][None], setup.k_ref[first:p + 1], setup.v_ref[first:p + 1], np.array([width - 1]),
+                         setup.n_head, setup.n_head_kv)
+        assert _relative(got[row:row + 1], want) < TOLERANCE
+    for begin, chunk in ((40, 1), (51, 7), (69, 1)):
+        np.testing.assert_array_equal(setup.prefill(positions[begin - 40:begin - 40 + chunk], window=width),
+                                      got[begin - 40:begin - 40 + chunk], err_msg=f"chunk {chunk} at {begin}")
+
+
+def test_prefill_refuses_groups_whose_block_does_not_fit():
+    with pytest.raises(StratumError, match="prefill attention cannot cut blocks for 64 query heads"):
+        att.make_attention("prefill", "f16", 64, 1, 128, 128, 256)
+
+
 def test_prefill_with_several_tiles_per_page(rng):
     setup = Setup(rng, "q8_0", 37, page_tokens=8)
     tuning = att.Tuning(tile=4)
@@ -235,7 +264,7 @@ def test_prefill_with_one_buffer_for_both_partials(rng):
     assert roomy.separate and not att._shape(2, 32, 32, 4, tight).separate
     positions = np.arange(4, 21)
     got = setup.prefill(positions, tight)
-    np.testing.assert_array_equal(got, setup.prefill(positions))
+    np.testing.assert_array_equal(got, setup.prefill(positions, att.TUNING))
     assert _relative(got, setup.reference(positions)) < TOLERANCE
 
 
@@ -351,12 +380,8 @@ def test_decode_refuses_windows_over_the_maximum(rng):
 # real shapes on a GPU: Qwen3-30B-A3B (32 query heads, 4 kv heads, head dim 128, pages of 256)
 
 QWEN = dict(n_head=32, n_head_kv=4, dk=128, dv=128, page_tokens=256)
-# the production cut for each K/V type, and the other cuts the benchmark times (--sweep) on one type
-SOFTWARE = att.Tuning(convert=frozenset())                  # the production cut before hardware conversion
-Q8_HARDWARE = att.Tuning(convert=frozenset(att._VIEWS))
-GPU_CASES = [("f16", att.TUNING), ("q8_0", att.TUNING), ("k8v4", att.TUNING), ("f16", SOFTWARE),
-             ("q8_0", Q8_HARDWARE), ("f16", att.Tuning(32, 256)), ("f16", att.Tuning(16, 256, False)),
-             ("q8_0", att.Tuning(16, 256, False, convert=Q8_HARDWARE.convert))]
+# the production kernel for each K/V type, and the previous kernel (the benchmark's prefill v1) at its cut
+GPU_CASES = [(kv_name, None) for kv_name in KV_NAMES] + [("f16", att.TUNING)]
 
 
 @pytest.mark.gpu

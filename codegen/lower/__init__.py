@@ -7,7 +7,9 @@ Modules (each kernel's reference is the same-named function in `runtime.referenc
   matmul      dense matmuls (bias fused), SwiGLU gate/up, routed experts grouped by expert (prefill and
               decode families)
   kv_pages    the K/V pages: layout (the planner's bytes), element formats, the store (f16, q8_0, q4_0, mixes)
-  attention   paged attention over them (prefill and decode)
+  attention   paged attention over them: the entry point (and the benchmark's earlier kernel);
+              attention_prefill and attention_decode the two families' kernels, attention_combine the
+              decode splits' merge
   pointwise   embedding, RMSNorm, per-head RMSNorm, NEOX RoPE, residual adds, concat, router top-k and
               weights (softmax, sigmoid + bias), argmax
   program     a pass graph bound to its kernels, weights, K/V and activation arena, run in order

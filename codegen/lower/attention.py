@@ -1,8 +1,8 @@
-"""Paged attention over the K/V pages of `codegen.lower.kv_pages`: prefill chunks (and `make_attention`, the
-entry point of both families: decode windows go to `codegen.lower.attention_decode`).
-
-This kernel's decode mode (below) no longer serves the runtime: it is the benchmark's v3/v4, the numbered
-versions `benchmarks/kernels_attention.py` times against the production decode kernel.
+"""Paged attention over the K/V pages of `codegen.lower.kv_pages`: `make_attention`, the entry point of both
+families (prefill chunks go to `codegen.lower.attention_prefill`, decode windows to
+`codegen.lower.attention_decode`), and the previous kernel of both, which no longer serves the runtime: it is
+the benchmark's prefill v1 and decode v3/v4, the numbered versions `benchmarks/kernels_attention.py` times
+against the production kernels.
 
 Attention (both modes) runs one block per (kv head, set of pages, set of rows); the block walks its pages
 in tiles of `Tuning.tile` positions aligned to absolute positions, ascending. A tile's K and V are dequantized once
@@ -39,6 +39,7 @@ from gguf.constants import GGMLQuantizationType as T
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import FAMILIES, MAX_WINDOW
 from codegen.lower.attention_decode import make_decode_attention
+from codegen.lower.attention_prefill import make_prefill_attention
 from codegen.lower.cuda import cuda, launch_kernel
 from codegen.lower.kv_pages import (ELEMENTS_PER_WORD, QUANT_BLOCK, QUANTIZED, check_head_dims,
                                      converted_element_format, element_format, host_arrays, kv_types)
@@ -556,9 +557,6 @@ def make_attention(family: str, kv_type_name, n_head: int, n_head_kv: int, head_
     no older pages)."""
     if window_tokens < 0:
         raise ValueError(f"window_tokens {window_tokens}: 0 (the whole context) or more")
-    if family == "decode":
-        _check_attention(family, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens)
-        return make_decode_attention(kv_type_name, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens,
-                                     window_tokens)
-    return _attention_launch(family, kv_type_name, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens, TUNING,
-                             window_tokens)
+    _check_attention(family, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens)
+    make = make_decode_attention if family == "decode" else make_prefill_attention
+    return make(kv_type_name, n_head, n_head_kv, head_dim_k, head_dim_v, page_tokens, window_tokens)

@@ -40,7 +40,7 @@ from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import MAX_WINDOW
 from codegen.lower.cuda import (SIMULATOR, WARP_MAX_VALUES, aligned16, cuda, f16x2_to_f32, launch_kernel, load4,
                                 syncwarp, warp_max, warp_sum)
-from codegen.lower.kv_pages import QUANT_BLOCK, QUANTIZED, host_arrays, kv_types
+from codegen.lower.kv_pages import QUANT_BLOCK, QUANTIZED, host_arrays, kv_types, page_locator
 from codegen.lower.word_formats import FORMATS
 from planner.errors import StratumError
 
@@ -119,14 +119,7 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
     k_whole = k_chunks % K_AHEAD == 0
     one = np.float32(1)
 
-    @cuda.jit(device=True, inline=True)
-    def locate(page_table, key):
-        """(slot or host page, whether it is the host copy, position within the page) of position key."""
-        page = key // PT
-        slot = page_table[page]
-        if slot >= 0:
-            return slot, False, key - page * PT
-        return page, True, key - page * PT
+    locate = page_locator(PT)
 
     @cuda.jit(device=True, inline=True)
     def fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, c):

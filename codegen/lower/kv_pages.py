@@ -140,6 +140,20 @@ class KVPages:
 _ARRAYS = ("k_data", "k_scales", "v_data", "v_scales")
 
 
+@functools.cache
+def page_locator(page_tokens: int):
+    """locate(page_table, position) -> (its slot, or its page in the host copy; whether it is the host copy;
+    its offset within the page): a device function the attention kernels read every position through."""
+    @cuda.jit(device=True, inline=True)
+    def locate(page_table, key):
+        page = key // page_tokens
+        slot = page_table[page]
+        if slot >= 0:
+            return slot, False, key - page * page_tokens
+        return page, True, key - page * page_tokens
+    return locate
+
+
 def host_arrays(pages: KVPages, host_pages: KVPages | None) -> tuple:
     """The host copy's arrays as kernels take them (device views of mapped memory), or, with no host copy,
     the pages' own arrays in their place (then never read: every page has a slot)."""
