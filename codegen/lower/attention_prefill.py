@@ -35,7 +35,8 @@ from codegen.lower.cuda import SIMULATOR, aligned16, cuda, launch_kernel, load4
 from codegen.lower.kv_pages import QUANT_BLOCK, QUANTIZED, host_arrays, kv_types, page_locator
 from planner.errors import StratumError
 
-THREADS = 128               # a block's threads: 4 warps
+THREADS = 32 if SIMULATOR else 128     # a block's threads: 4 warps (the simulator, which runs each as a Python
+#                                         thread, takes one: the same sums, in the same order)
 LANES = 32
 TILE = 32                   # positions a K/V tile (= lanes: one lane stages one position's K row)
 QUERY_GROUP = 32            # a block's query vectors are padded to a multiple of this

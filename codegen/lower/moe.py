@@ -46,13 +46,12 @@ from typing import NamedTuple
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import cuda, fill_zero, launch_kernel
+from codegen.lower.cuda import SIMULATOR, cuda, fill_zero, launch_kernel
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
                                   check, check_aligned, decode_core, prefill_core, silu, window_rows, words)
 from codegen.lower.word_formats import FORMATS
 
-GROUP_THREADS = 1024    # at most, for make_moe_groups: (expert, segment) items, one thread each
-GROUP_SEGMENT_PAIRS = 512   # pairs per segment, at least: few pairs (decode) get one segment, one thread each
+GROUP_THREADS = 1024    # at most, for make_moe_groups: a block's threads, each a run of consecutive pairs
 PREFILL_BM = 64         # pair rows of a prefill expert tile (an expert gets rows * k / n_expert on average)
 X_TILE = (2, BK, PREFILL_BM + PAD)
 
@@ -102,57 +101,63 @@ def _scan(buf, t, levels):
 
 @functools.cache
 def make_moe_groups(n_expert: int, k: int):
-    """launch(stream, ids, groups): ids int32 (rows, k) -> the groups buffer. One block: thread (e, s) counts
-    expert e in segment s of the pairs, a scan gives each its start, then it writes its pairs in order. The
-    segments (so the threads) grow with the pairs, from the ids' shape: a decode window's few pairs take one
-    thread per expert and short scans."""
+    """launch(stream, ids, groups): ids int32 (rows, k) -> the groups buffer. A block per expert, each thread a
+    run of consecutive pairs: every block counts all experts (shared-memory atomics: a count is the same in any
+    order), scans them to its expert's offset and its threads' matches to their starts, and writes its
+    expert's pairs in order; block 0 also writes the offsets and the active list. Each block reads the ids
+    twice (they stay in L2), and no block waits on another (the previous kernel was one block whose threads
+    each scanned a segment for one expert: 1.3 ms for 2048 rows of 8 of 128, BENCHMARKS.md)."""
     if not 0 < k <= n_expert <= GROUP_THREADS:
         raise ValueError(f"top {k} of {n_expert} experts: the grouping kernel takes 1..{GROUP_THREADS} experts")
 
     @cuda.jit
-    def kernel(ids, groups, segments, levels):
-        counts = cuda.shared.array(GROUP_THREADS, np.int32)
+    def kernel(ids, groups, levels):
+        counts = cuda.shared.array(GROUP_THREADS, np.int32)     # every expert's pairs, then their running sum
+        runs = cuda.shared.array(GROUP_THREADS, np.int32)       # the thread's matches, then their running sum
         flags = cuda.shared.array(GROUP_THREADS, np.int32)
         t = cuda.threadIdx.x & IDX
+        e = cuda.blockIdx.x & BIDX
+        threads = 1 << levels
         n_pairs = ids.shape[0] * k
         active = n_expert + 1 + n_pairs
-        length = -(-n_pairs // segments)
-        e, seg = t // segments, t % segments
-        lo, hi = seg * length, min(n_pairs, (seg + 1) * length)
+        counts[t] = 0
+        cuda.syncthreads()
+        length = -(-n_pairs // threads)
+        lo, hi = t * length, min(n_pairs, (t + 1) * length)
         mine = 0
-        if e < n_expert:
-            for p in range(lo, hi):
-                if ids[p // k, p % k] == e:
-                    mine += 1
-        counts[t] = mine
+        for p in range(lo, hi):
+            x = ids[p // k, p % k]
+            cuda.atomic.add(counts, x, 1)
+            if x == e:
+                mine += 1
+        runs[t] = mine
+        _scan(runs, t, levels)
+        total = counts[t]          # (the scan's barriers follow every count)
         _scan(counts, t, levels)
-        start = counts[t] - mine
-        if e < n_expert and seg == 0:
-            groups[e] = start
-        if t == 0:
-            groups[n_expert] = n_pairs
-        total = 0
-        if t < n_expert:
-            total = counts[t * segments + segments - 1] - (counts[t * segments - 1] if t > 0 else 0)
-        flags[t] = 1 if total > 0 else 0
-        _scan(flags, t, levels)
-        if total > 0:
-            groups[active + flags[t]] = t
-        if t == 0:
-            groups[active] = flags[(1 << levels) - 1]
-        if e < n_expert:
-            pos = n_expert + 1 + start
-            for p in range(lo, hi):
-                if ids[p // k, p % k] == e:
-                    groups[pos] = p
-                    pos += 1
+        pos = n_expert + 1 + (counts[e - 1] if e > 0 else 0) + runs[t] - mine      # where its first match goes
+        for p in range(lo, hi):
+            if ids[p // k, p % k] == e:
+                groups[pos] = p
+                pos += 1
+        if e == 0:
+            if t < n_expert:
+                groups[t] = counts[t] - total
+            if t == 0:
+                groups[n_expert] = n_pairs
+            flags[t] = 1 if t < n_expert and total > 0 else 0
+            _scan(flags, t, levels)
+            if t < n_expert and total > 0:
+                groups[active + flags[t]] = t
+            if t == 0:
+                groups[active] = flags[threads - 1]
 
     def launch(stream, ids, groups):
-        segments = max(1, min(GROUP_THREADS // n_expert, ids.shape[0] * k // GROUP_SEGMENT_PAIRS))
+        # a thread a pair up to GROUP_THREADS; the simulator, which runs each thread in Python, takes the
+        # fewest its scans allow (the buffer is the same for any count)
         threads = 32
-        while threads < n_expert * segments:
+        while threads < max(n_expert, 0 if SIMULATOR else min(ids.shape[0] * k, GROUP_THREADS)):
             threads *= 2
-        launch_kernel(kernel, 1, threads, stream, ids, groups, segments, threads.bit_length() - 1)
+        launch_kernel(kernel, n_expert, threads, stream, ids, groups, threads.bit_length() - 1)
     return launch
 
 
