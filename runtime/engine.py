@@ -125,7 +125,8 @@ class Engine:
         self.staging = cuda.pinned_array((3, self.chunk_tokens), np.int32)
         # pinned destinations of the routed ids prefill reads back per block, of a window's greedy tokens and
         # of the hidden states the drafter reads (a verify window's rows; the one the next draft step takes)
-        self.routed_ids = cuda.pinned_array((self.chunk_tokens, self.hp.n_expert_used), np.int32)
+        self.routed_ids = cuda.pinned_array((len(self.moe_blocks), self.chunk_tokens, self.hp.n_expert_used),
+                                            np.int32)
         self.greedy = cuda.pinned_array(MAX_WINDOW, np.int32)
         self.hiddens = cuda.pinned_array((MAX_WINDOW, self.hp.n_embd), np.float32)
         self.hidden = cuda.pinned_array((1, self.hp.n_embd), np.float32)
@@ -365,7 +366,11 @@ class Engine:
             self.compute.synchronize()       # the next row's inputs reuse the staging
 
     def _run_prefill(self, program) -> None:
+        """A chunk's pass. A MoE block that streams experts waits for its routing (the host reads it back to
+        work out the ring's batches); a block whose every expert is cached runs without waiting, its routing
+        read back with the chunk for the traces' counts (the host's time per wait is the GPU's idle time)."""
         steps = {step.name: step for step in program.steps}
+        unread = []         # blocks whose routed ids are read once the chunk is done
         for step in program.steps:
             op = program.graph.nodes[step.name]["op"]
             if op == "moe_down_matmul":
@@ -376,14 +381,22 @@ class Engine:
             block = tensor_layer(step.name)
             down = steps[f"blk.{block}.moe_down"]
             routed = program.tensors[f"blk.{block}.topk"]
-            copy_rows(self.routed_ids, 0, routed, 0, routed.shape[0], self.compute)
-            self.compute.synchronize()
-            ids = self.routed_ids[:routed.shape[0]]
+            ids = self.routed_ids[self.moe_blocks.index(block), :routed.shape[0]]
+            copy_rows(ids, 0, routed, 0, routed.shape[0], self.compute)
 
             def run_batch(lo, hi, work, step=step, down=down):
                 step.launch(self.compute, *step.args, lo=lo, hi=hi, work=work)
                 down.launch(self.compute, *down.args, lo=lo, hi=hi, work=work)
+            if self.experts.all_cached(block):
+                self.experts.run_cached_block(block, self.compute, run_batch)
+                unread.append((block, ids))
+                continue
+            self.compute.synchronize()
             self.experts.stream_block(block, ids, self.compute, run_batch)
+        if unread:
+            self.compute.synchronize()          # (also: the next chunk's inputs reuse the staging)
+            for block, ids in unread:
+                self.experts.count_routed(block, ids)
 
     def _replay(self, key, enqueue) -> None:
         """Run a pass as its captured graph: the first time it runs as launched (compiling any kernel not yet

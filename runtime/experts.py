@@ -249,6 +249,21 @@ class ExpertStore:
             batches.append((lo, hi, base, group))
         return table, batches
 
+    def all_cached(self, block: int) -> bool:
+        return len(self.resident[block]) == self.n_expert
+
+    def count_routed(self, block: int, ids: np.ndarray) -> None:
+        """A prefill chunk's routed ids of one block into the counts traces are written from."""
+        np.add.at(self.routed[self.blocks.index(block)], ids.reshape(-1), 1)
+
+    def run_cached_block(self, block: int, compute, run_batch) -> None:
+        """A chunk's routed experts of a block whose every expert is cached: one batch over all of them, with
+        no routing known (its grids cover any routing); the engine counts the routed ids once the chunk is done."""
+        index = self.blocks.index(block)
+        self.prefill_staging[index] = self.decode_table(block)     # the same bytes every chunk: a pending copy
+        copy_rows(self.prefill_tables[block], 0, self.prefill_staging[index], 0, self.n_expert, compute)  # reads them
+        run_batch(0, self.n_expert, None)
+
     def stream_block(self, block: int, ids: np.ndarray, compute, run_batch) -> None:
         """Compute a chunk's routed experts of one block: run_batch(lo, hi, work) for each batch (work: its
         `RangeWork` from the routing), its experts copied into the ring first (on the copy stream, waiting
@@ -256,7 +271,7 @@ class ExpertStore:
         table, batches = self.prefill_batches(block, np.unique(ids))
         works = range_work(ids, self.n_expert, [lo for lo, *_ in batches] + [self.n_expert])
         index = self.blocks.index(block)
-        np.add.at(self.routed[index], ids.reshape(-1), 1)
+        self.count_routed(block, ids)
         self.prefill_staging[index] = table         # pinned: an asynchronous copy (pageable memory would wait)
         copy_rows(self.prefill_tables[block], 0, self.prefill_staging[index], 0, self.n_expert, compute)
         for j, ((lo, hi, base, group), work) in enumerate(zip(batches, works)):
