@@ -39,6 +39,7 @@ DECODE_SHAPES = [(2048, 768), (768, 2048), (4096, 4096), (12288, 4096), (4096, 1
 LARGE = 4096 * 4096             # weights of at least this many values are "large" (the >= 70% target)
 PREFILL_SHAPES = [(4096, 4096), (2048, 768)]
 CHUNKS = [512, 2048, 8192]
+MOE_PREFILL_CHUNKS = [512, 2048, 4096]
 QWEN3_30B = dict(n_embd=2048, n_ff=768, n_expert=128, k=8)
 CHECK_ROWS = 64                 # output columns (decode) / rows (prefill) checked against float64
 
@@ -485,6 +486,70 @@ def moe_decode_step(rng, bandwidth, sweep=False):
     table("MoE decode kernels' sweep (one token)", ["kernel", "lanes per row", "rows per group", "us", ""], rows)
 
 
+def skewed_top_ids(rng, rows: int, n_expert: int, k: int, skew: float = 1.0) -> np.ndarray:
+    """(rows, k) distinct expert ids per row, popular experts chosen more often (Gumbel top-k over log
+    popularity ~ skew * normal), as `runtime.synthetic`'s routers skew them."""
+    log_popularity = skew * rng.standard_normal(n_expert)
+    keys = log_popularity + rng.gumbel(size=(rows, n_expert))
+    return np.argsort(-keys, axis=1)[:, :k].astype(np.int32)
+
+
+def moe_prefill(rng, peak):
+    """A prefill chunk through one Qwen3-30B-A3B MoE layer (Q8_0, every expert in VRAM, skewed routing):
+    groups, gate/up, down (a term row per pair), combine, each timed as a graph replay; FLOPs are the useful
+    ones (4 * pairs * n_embd * n_ff for gate/up, half that for down); "tile rows" is the rows the 64-row expert
+    tiles compute per useful pair row (the padding of each expert's last tile)."""
+    e_dim, f_dim, n_expert, k = (QWEN3_30B[key] for key in ("n_embd", "n_ff", "n_expert", "k"))
+    gate, up = (random_packed(rng, T.Q8_0, (n_expert, f_dim, e_dim)) for _ in range(2))
+    down = random_packed(rng, T.Q8_0, (n_expert, e_dim, f_dim))
+    dg, du, dd = (weights.upload(p) for p in (gate, up, down))
+    slot_of = cuda.to_device(np.arange(n_expert, dtype=np.int32))
+    make_groups = moe.make_moe_groups(n_expert, k)
+    gate_up = moe.make_moe_swiglu_matmul("prefill", T.Q8_0, e_dim, f_dim, n_expert, k)
+    down_proj = moe.make_moe_down_matmul("prefill", T.Q8_0, f_dim, e_dim, n_expert, k)
+    combine = moe.make_moe_combine(e_dim, k)
+    rows = []
+    for chunk in MOE_PREFILL_CHUNKS:
+        host_ids = skewed_top_ids(rng, chunk, n_expert, k)
+        ids = cuda.to_device(host_ids)
+        pairs = chunk * k
+        x = cuda.to_device(rng.standard_normal((chunk, e_dim), dtype=np.float32))
+        route_w = cuda.to_device(rng.random((chunk, k), dtype=np.float32))
+        groups = cuda.device_array(moe_groups_length(n_expert, pairs), np.int32)
+        act = cuda.device_array((pairs, f_dim), np.float32)
+        terms = cuda.device_array((pairs, e_dim), np.float32)
+        out = cuda.device_array((chunk, e_dim), np.float32)
+        parts = {"groups": (lambda s: make_groups(s, ids, groups), 0),
+                 "gate/up": (lambda s: gate_up(s, x, groups, slot_of, dg, du, dg, du, act), 4.0 * pairs * e_dim * f_dim),
+                 "down": (lambda s: down_proj(s, act, groups, slot_of, dd, dd, terms), 2.0 * pairs * f_dim * e_dim),
+                 "combine": (lambda s: combine(s, terms, ids, route_w, out), 0)}
+        for part, _ in parts.values():
+            part(0)
+        check = np.unique(host_ids[:2])
+        local = np.searchsorted(check, host_ids[:2])
+        deq = [weights.dequantize(weights.PackedWeight(T.Q8_0, (len(check), *p.shape[1:]), p.data[check],
+                                                       p.scales[check])) for p in (gate, up, down)]
+        ref = reference.moe(x.copy_to_host()[:2].astype(np.float64), local, route_w.copy_to_host()[:2], *deq)
+        err = rel_err(out.copy_to_host()[:2], ref)
+        tile_rows = tile_rows_computed(host_ids, n_expert) / pairs
+        total = 0.0
+        for name, (part, flops) in parts.items():
+            seconds = graph_seconds(launches(lambda s, i, part=part: part(s), 2), repeats=5)
+            total += seconds
+            rows.append((chunk, name, f"{seconds * 1e6:.0f}", f"{flops / seconds / 1e12:.1f}" if flops else "",
+                         f"{flops / seconds / peak:.0%}" if flops else "", f"{tile_rows:.2f}" if flops else "",
+                         f"{err:.1e}" if name == "combine" else ""))
+        rows.append((chunk, "layer", f"{total * 1e6:.0f}", f"{6.0 * pairs * e_dim * f_dim / total / 1e12:.1f}",
+                     f"{6.0 * pairs * e_dim * f_dim / total / peak:.0%}", "", ""))
+    table("MoE prefill, one Qwen3-30B-A3B layer (Q8_0, 128 experts, 8 used, skewed routing)",
+          ["chunk", "kernel", "us", "TFLOP/s", "of FMA peak", "tile rows", "rel err (2 rows)"], rows)
+
+
+def tile_rows_computed(ids, n_expert):
+    """Rows the prefill expert tiles compute: each expert's pairs rounded up to whole PREFILL_BM-row tiles."""
+    return int(sum(-(-n // moe.PREFILL_BM) * moe.PREFILL_BM for n in np.bincount(ids.reshape(-1), minlength=n_expert)))
+
+
 def prefill_table(rng, peak, theoretical):
     rows = []
     for ggml_type in (T.F32, T.Q8_0):
@@ -531,6 +596,7 @@ def main():
                 "decode": lambda: decode_table(rng, bandwidth),
                 "moe": lambda: moe_decode_step(rng, bandwidth),
                 "moe-sweep": lambda: moe_decode_step(rng, bandwidth, sweep=True),
+                "moe-prefill": lambda: moe_prefill(rng, peak),
                 "prefill-versions": lambda: prefill_versions(rng, peak),
                 "prefill": lambda: prefill_table(rng, peak, theoretical)}
     chosen = sys.argv[1:] or list(sections)

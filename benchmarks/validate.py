@@ -88,35 +88,37 @@ def text_prompts(rng):
 
 
 def traced_histogram(profile: Path, card: Path, tensors, prompts: int, new_tokens: int, prompt, tokens: int,
-                     context: int) -> tuple:
+                     context: int, lengths) -> tuple:
     """(the routing counts of `prompts` prompts of `tokens` tokens (from `prompt(n)`) served by a resident
-    engine, the text of `compare_prefill`'s table on that engine)."""
-    workload = Workload(prompts=((2 * tokens, 1.0),), decode_tokens=new_tokens)
+    engine planned for the longest of `lengths`, the text of `compare_prefill`'s table on that engine)."""
+    workload = Workload(prompts=((max(lengths), 1.0),), decode_tokens=new_tokens)
     plan = solve(profile, card, context=context, kv="f16", workload=workload, mtp=False)
     with Engine(plan, card, tensors=tensors, progress=False) as engine:
         for _ in range(prompts):
             engine.generate(prompt(tokens), new_tokens)
         counts = engine.trace()["expert_popularity"]["histogram"]
-        comparison = compare_prefill(engine, profile, prompt)
+        comparison = compare_prefill(engine, profile, prompt, lengths)
     cuda.current_context().deallocations.clear()
     print(f"traced {prompts} prompts of {tokens} tokens: {np.sum(counts):.0f} routings")
     return tuple(map(tuple, counts)), comparison
 
 
-def compare_prefill(engine, profile: Path, prompt) -> str:
-    """The engine's prefill of one chunk against the profile's calibration, node family by family (GPU time
-    between events), and its wall time: where the prediction of a resident prefill parts from it. Printed, and
-    returned as text (the summary repeats it)."""
-    chunk = engine.chunk_tokens
-    for _ in range(2):
-        out = engine.generate(prompt(chunk), 1)
+def compare_prefill(engine, profile: Path, prompt, lengths) -> str:
+    """The engine's prefill of one chunk of each of `lengths` (those within its chunk) against the profile's
+    calibration, node family by family (GPU time between events), and its wall time: where the prediction of
+    a resident prefill parts from it. Printed, and returned as text (the summary repeats it)."""
     gpu = load_profile(profile).gpus[0]
-    timed = timed_nodes(engine, gpu, "prefill", chunk, chunk)
-    lines = [f"prefill of {chunk} tokens (one chunk), resident: {out.prefill_s * 1e3:.1f} ms wall, nodes' GPU "
-             f"time {sum(t[3] for t in timed) * 1e3:.1f} ms", "| family | measured ms | calibration ms |",
-             "| --- | ---: | ---: |"]
-    lines += [f"| {family} | {measured * 1e3:.2f} | {fitted * 1e3:.2f} |"
-              for family, (measured, fitted) in sorted(by_family(timed, gpu.kernels).items())]
+    lines = []
+    for tokens in sorted(n for n in lengths if n <= engine.chunk_tokens):
+        for _ in range(2):
+            out = engine.generate(prompt(tokens), 1)
+        timed = timed_nodes(engine, gpu, "prefill", tokens, tokens)
+        lines += [f"prefill of {tokens} tokens (one chunk), resident: {out.prefill_s * 1e3:.1f} ms wall, nodes' "
+                  f"GPU time {sum(t[3] for t in timed) * 1e3:.1f} ms", "", "| family | measured ms | calibration ms |",
+                  "| --- | ---: | ---: |"]
+        lines += [f"| {family} | {measured * 1e3:.2f} | {fitted * 1e3:.2f} |"
+                  for family, (measured, fitted) in sorted(by_family(timed, gpu.kernels).items())]
+        lines.append("")
     text = "\n".join(lines)
     print(text)
     return text
@@ -156,7 +158,7 @@ def main():
             lengths = args.prompts or PROMPTS
             what = f"{CARD} shape, {args.layers} blocks, random prompts"
         histogram, comparison = (None, None) if args.no_trace else traced_histogram(
-            resident, card, tensors, args.trace_prompts, args.new_tokens, prompt, trace_tokens, context)
+            resident, card, tensors, args.trace_prompts, args.new_tokens, prompt, trace_tokens, context, lengths)
         for label, profile in budgets:
             for tokens in lengths:
                 row = run_plan(label, profile, card, tensors, ceilings, tokens, args.new_tokens, rng,

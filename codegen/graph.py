@@ -128,11 +128,17 @@ class _Builder:
         act = self.op(p + "moe_gate_up", "moe_swiglu_matmul", [h, groups], (rows * k, f),
                       flops=4.0 * rows * k * e * f, weights=(p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"),
                       expert_layer=layer)
-        # the weighted sum over a token's k experts is fused into the down projection, in a fixed order. h is
-        # an input too, only to keep it live: the runtime interleaves gate/up and down batch by batch as the
-        # prefill ring streams experts, so down's output must not take h's bytes while gate/up still reads them
-        moe = self.op(p + "moe_down", "moe_down_matmul", [act, groups, weights, h], (rows, e),
-                      flops=2.0 * rows * k * f * e, weights=(p + "ffn_down_exps.weight",), expert_layer=layer)
+        # h is an input of down too, only to keep it live: the runtime interleaves gate/up and down batch by
+        # batch as the prefill ring streams experts, so down's output must not take h's bytes while gate/up
+        # still reads them
+        down = dict(flops=2.0 * rows * k * f * e, weights=(p + "ffn_down_exps.weight",), expert_layer=layer)
+        if self.kind == "prefill":
+            # a term row per pair, so each expert's pairs are one GEMM whatever the expert ranges the ring
+            # streams; the combine adds a row's route-weighted terms in ascending expert order
+            terms = self.op(p + "moe_down", "moe_down_matmul", [act, groups, h], (rows * k, e), **down)
+            moe = self.op(p + "moe_combine", "moe_combine", [terms, ids, weights], (rows, e), flops=2.0 * rows * k * e)
+        else:       # the weighted sum over a row's k experts is summed in the down kernel, in the same order
+            moe = self.op(p + "moe_down", "moe_down_matmul", [act, groups, weights, h], (rows, e), **down)
         outputs = [moe]
         if hp.n_expert_shared and f"{p}ffn_up_shexp.weight" in self.bytes:
             outputs += self.dense_ffn(p, h, rows, f * hp.n_expert_shared, "_shexp")

@@ -227,15 +227,13 @@ class DeviceCost:
     def _launch_s(self, n_nodes: int, extra_batches, half, cache_slots):
         """Host time to issue a chunk from Python, one `kernel_launch` a call: every node's kernel, and per
         ring batch (`half` the ring's experts, ascending; a block's one batch and its `extra_batches`) its
-        gate/up kernel, the down launch's rank kernel, one pass per expert rank that occurs in the batch (at
-        most min(k, half)) and the clearing kernel, two copies (data, scales) per matrix for each run of
-        consecutive expert ids (a cached expert between two streamed ones splits a run), and four event calls.
-        Issuing overlaps the GPU's work: it binds only when it is the longest."""
-        k = self.model.hparams.n_expert_used
+        gate/up and down kernels, two copies (data, scales) per matrix for each run of consecutive expert ids
+        (a cached expert between two streamed ones splits a run), and four event calls. Issuing overlaps the
+        GPU's work: it binds only when it is the longest."""
         batches = extra_batches + len(self.moe_blocks)
         cached_share = np.minimum(1.0, np.asarray(cache_slots) / max(1, len(self.moe_blocks)) / self.n_expert)
         runs = 1 + (half - 1) * cached_share
-        per_batch = 3 + np.minimum(k, half) + 6 * runs + 4
+        per_batch = 2 + 6 * runs + 4
         return (n_nodes + batches * per_batch) * self.gpu.kernel_launch_s
 
     def _blocks_streaming(self, cache_slots):

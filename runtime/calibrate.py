@@ -23,7 +23,7 @@ import numpy as np
 
 from codegen.cost import fitted_s, kernel_family, node_roofline_s
 from codegen.lower.cuda import CapturedGraph, cuda
-from codegen.lower.moe import range_work
+from codegen.lower.moe import range_tiles
 from planner.architecture import tensor_layer
 from planner.kv_lending import needed_pages
 from planner.profile import GPU, KERNEL_FAMILIES, KernelFit, Kernels
@@ -138,32 +138,31 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
 
 def ring_batch_s(engine, tokens: int) -> float:
     """Seconds a batch of RING_BATCH_EXPERTS consecutive experts adds to a block's routed experts when they
-    are launched batch by batch (as the prefill ring streams them, each with its routing's `RangeWork`)
+    are launched batch by batch (as the prefill ring streams them, each with its routing's `range_tiles`)
     rather than at once: the first MoE block of the engine's `tokens`-row prefill, its experts all in VRAM
     (no copies), both ways timed between events, medians. The pass's earlier steps run first, so the block's
     inputs are the prompt's (the engine has just read one of `tokens` tokens)."""
     program = engine._program("prefill", tokens)
-    steps = {step.name: step for step in program.steps}
     gate_up = next(step for step in program.steps
                    if program.graph.nodes[step.name]["op"] == "moe_swiglu_matmul")
     block = tensor_layer(gate_up.name)
-    down = steps[f"blk.{block}.moe_down"]
+    down = program.steps.named(f"blk.{block}.moe_down")
     for step in program.steps[:program.steps.index(gate_up)]:
         step.run(engine.compute)
     routed = program.tensors[f"blk.{block}.topk"].copy_to_host(stream=engine.compute)
     engine.compute.synchronize()
     n_expert = engine.experts.n_expert
     edges = list(range(0, n_expert, RING_BATCH_EXPERTS)) + [n_expert]
-    batched = list(zip(edges, edges[1:], range_work(routed, n_expert, edges)))
+    batched = list(zip(edges, edges[1:], range_tiles(routed, n_expert, edges)))
     if len(batched) < 2:
         return 0.0          # every expert in one batch: nothing beyond the one launch
-    once = [(0, n_expert, range_work(routed, n_expert, [0, n_expert])[0])]
+    once = [(0, n_expert, range_tiles(routed, n_expert, [0, n_expert])[0])]
 
     def launches(ranges):
         def run(stream):
-            for lo, hi, work in ranges:
-                gate_up.launch(stream, *gate_up.args, lo=lo, hi=hi, work=work)
-                down.launch(stream, *down.args, lo=lo, hi=hi, work=work)
+            for lo, hi, tiles in ranges:
+                gate_up.launch(stream, *gate_up.args, lo=lo, hi=hi, tiles=tiles)
+                down.launch(stream, *down.args, lo=lo, hi=hi, tiles=tiles)
         return run
     seconds = [float(np.median(node_times_s([SimpleNamespace(run=launches(r))], engine.compute, REPEATS, 20000)))
                for r in (once, batched)]

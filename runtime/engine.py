@@ -135,6 +135,7 @@ class Engine:
             self.prompt_hiddens = cuda.pinned_array((self.chunk_tokens, self.hp.n_embd), np.float32)
         self.kv_owner = None            # (conversation, prompt tokens whose K/V the ring holds)
         self.totals = _Totals()
+        self._program("prefill", self.chunk_tokens).bind()     # the pass most prompt chunks run
         self._warm_up()
         self.startup_s = time.perf_counter() - started
 
@@ -369,7 +370,6 @@ class Engine:
         """A chunk's pass. A MoE block that streams experts waits for its routing (the host reads it back to
         work out the ring's batches); a block whose every expert is cached runs without waiting, its routing
         read back with the chunk for the traces' counts (the host's time per wait is the GPU's idle time)."""
-        steps = {step.name: step for step in program.steps}
         unread = []         # blocks whose routed ids are read once the chunk is done
         for step in program.steps:
             op = program.graph.nodes[step.name]["op"]
@@ -379,14 +379,14 @@ class Engine:
                 step.run(self.compute)
                 continue
             block = tensor_layer(step.name)
-            down = steps[f"blk.{block}.moe_down"]
+            down = program.steps.named(f"blk.{block}.moe_down")
             routed = program.tensors[f"blk.{block}.topk"]
             ids = self.routed_ids[self.moe_blocks.index(block), :routed.shape[0]]
             copy_rows(ids, 0, routed, 0, routed.shape[0], self.compute)
 
-            def run_batch(lo, hi, work, step=step, down=down):
-                step.launch(self.compute, *step.args, lo=lo, hi=hi, work=work)
-                down.launch(self.compute, *down.args, lo=lo, hi=hi, work=work)
+            def run_batch(lo, hi, tiles, step=step, down=down):
+                step.launch(self.compute, *step.args, lo=lo, hi=hi, tiles=tiles)
+                down.launch(self.compute, *down.args, lo=lo, hi=hi, tiles=tiles)
             if self.experts.all_cached(block):
                 self.experts.run_cached_block(block, self.compute, run_batch)
                 unread.append((block, ids))

@@ -37,7 +37,7 @@ import numpy as np
 
 from codegen.lower.cuda import (copy_into_rows, copy_rows, cuda, event_done, mapped_device_view, mapped_filled,
                                 mapped_host_view)
-from codegen.lower.moe import range_work
+from codegen.lower.moe import range_tiles
 from codegen.lower.weights import DeviceWeight, packed_layout, placeholder_scales
 from planner.errors import StratumError
 
@@ -265,16 +265,16 @@ class ExpertStore:
         run_batch(0, self.n_expert, None)
 
     def stream_block(self, block: int, ids: np.ndarray, compute, run_batch) -> None:
-        """Compute a chunk's routed experts of one block: run_batch(lo, hi, work) for each batch (work: its
-        `RangeWork` from the routing), its experts copied into the ring first (on the copy stream, waiting
+        """Compute a chunk's routed experts of one block: run_batch(lo, hi, tiles) for each batch (tiles: its
+        `range_tiles` from the routing), its experts copied into the ring first (on the copy stream, waiting
         until compute is done with that half)."""
         table, batches = self.prefill_batches(block, np.unique(ids))
-        works = range_work(ids, self.n_expert, [lo for lo, *_ in batches] + [self.n_expert])
+        tiles = range_tiles(ids, self.n_expert, [lo for lo, *_ in batches] + [self.n_expert])
         index = self.blocks.index(block)
         self.count_routed(block, ids)
         self.prefill_staging[index] = table         # pinned: an asynchronous copy (pageable memory would wait)
         copy_rows(self.prefill_tables[block], 0, self.prefill_staging[index], 0, self.n_expert, compute)
-        for j, ((lo, hi, base, group), work) in enumerate(zip(batches, works)):
+        for j, ((lo, hi, base, group), batch_tiles) in enumerate(zip(batches, tiles)):
             half = j % 2
             if group:
                 if self.ring_used[half]:
@@ -286,7 +286,7 @@ class ExpertStore:
                         self._copy_in(block, matrix, first, count, slot, self.copy_stream)
                 self.ring_copied[half].record(self.copy_stream)
                 self.ring_copied[half].wait(compute)
-            run_batch(lo, hi, work)
+            run_batch(lo, hi, batch_tiles)
             self.ring_free[half].record(compute)
             self.ring_used[half] = True
 

@@ -147,11 +147,19 @@ def node_errors(runner: PassRunner, kind: str, token_ids, start: int = 0, refere
             ids = host[f"blk.{layer}.topk"]
             rows = [ref.swiglu(inputs[0][r:r + 1], w[0][e], w[1][e])[0] for r in range(len(ids)) for e in ids[r]]
             want = np.stack(rows)
+        elif op == "moe_down_matmul" and kind == "prefill":     # a term per pair, weighed by the combine
+            ids = host[f"blk.{layer}.topk"].reshape(-1)
+            want = np.stack([w[0][e] @ inputs[0][p] for p, e in enumerate(ids)])
         elif op == "moe_down_matmul":
             ids, k = host[f"blk.{layer}.topk"], hp.n_expert_used
             route_w = inputs[2]
             want = np.stack([sum(route_w[r, j] * (w[0][ids[r, j]] @ inputs[0][r * k + j]) for j in range(k))
                              for r in range(len(ids))])
+        elif op == "moe_combine":
+            terms, _ids, route_w = inputs
+            k = hp.n_expert_used
+            want = np.stack([sum(route_w[r, j] * terms[r * k + j].astype(np.float64) for j in range(k))
+                             for r in range(len(route_w))])
         else:
             want = None
         if got is not None:

@@ -213,28 +213,6 @@ def test_moe_groups_refuses_too_many_experts():
         moe.make_moe_groups(2048, 8)
 
 
-@pytest.mark.parametrize("lo, hi", [(0, 8), (3, 6)])
-def test_moe_rank_marks_each_pairs_rank_in_the_range(rng, lo, hi):
-    """The first kernel of a prefill down launch over experts lo..hi - 1: each of their pairs' list entries
-    carries its rank among its row's experts in the range (ascending), every other entry is left as it was;
-    the launch's last kernel restores the list."""
-    n_expert, k, rows = 8, 3, 9
-    ids = top_ids(rng, rows, n_expert, k)
-    groups = run_groups(ids, n_expert, k)
-    plain = groups.copy_to_host()
-    rank, unrank, rows_per_block = moe.rank_kernels(n_expert, k)
-    rank[-(-rows // rows_per_block), moe.THREADS](groups, ids.size, lo, hi)
-    entries = groups.copy_to_host()[n_expert + 1:n_expert + 1 + ids.size]
-    for entry in entries.tolist():
-        pair = entry & moe.PAIR_MASK
-        row = ids[pair // k].tolist()
-        expert = row[pair % k]
-        in_range = sum(lo <= other < expert for other in row) if lo <= expert < hi else 0
-        assert entry >> moe.RANK_AT == in_range
-    unrank[-(-ids.size // 64), 64](groups, ids.size)
-    assert np.array_equal(groups.copy_to_host(), plain)
-
-
 def random_q8_0(rng, shape):
     """Q8_0 weights made from random quants and scales directly (quantizing 600M floats takes minutes)."""
     scales = (rng.random((*shape[:-1], shape[-1] // 32)) * 0.02 + 0.001).astype(np.float16)
@@ -315,24 +293,30 @@ class Experts:
         return swiglu, down
 
     def run(self, family, x, ids, route_w, k=K, ranges=((0, None),), trace=None, exact=False):
-        """(act, out) of gate/up then down over each expert range in turn (as the prefill ring streams them);
-        `trace`, a list: act after each range's gate/up is appended to it; exact: each range launched with
-        its `RangeWork` from the routing, as the engine launches them."""
+        """(act, out) of gate/up then down over each expert range in turn (as the prefill ring streams them),
+        then (prefill) the combine; `trace`, a list: (act, terms) after each range is appended to it; exact:
+        each range launched with its tiles from the routing (`range_tiles`), as the engine launches them."""
         swiglu, down = self.launches(family, x.shape[1], k)
         groups = run_groups(ids, self.n_expert, k)
         slot_of = cuda.to_device(self.slot_of)
-        x, route_w = cuda.to_device(x), cuda.to_device(route_w)
+        ids_device, x, route_w = cuda.to_device(ids), cuda.to_device(x), cuda.to_device(route_w)
         act = cuda.to_device(np.full((ids.size, self.d_ff), np.nan, np.float32))
         out = cuda.to_device(np.full((len(ids), self.d_out), np.nan, np.float32))
+        terms = cuda.to_device(np.full((ids.size, self.d_out), np.nan, np.float32))
         (gate, up, dw), (host_gate, host_up, host_down) = self.slots, self.host
         edges = [lo for lo, _ in ranges] + [self.n_expert]
-        works = moe.range_work(ids, self.n_expert, edges) if exact else [None] * len(ranges)
-        for (lo, hi), work in zip(ranges, works):
-            swiglu(0, x, groups, slot_of, gate, up, host_gate, host_up, act, lo, hi, work=work)
+        tiles = moe.range_tiles(ids, self.n_expert, edges) if exact else [None] * len(ranges)
+        for (lo, hi), range_tiles in zip(ranges, tiles):
+            swiglu(0, x, groups, slot_of, gate, up, host_gate, host_up, act, lo, hi, tiles=range_tiles)
+            if family == "decode":
+                down(0, act, groups, route_w, slot_of, dw, host_down, out)
+                continue
+            down(0, act, groups, slot_of, dw, host_down, terms, lo, hi, tiles=range_tiles)
             if trace is not None:
-                trace.append(act.copy_to_host())
-            down(0, act, groups, route_w, slot_of, dw, host_down, out, lo, hi, work=work)
-        check_groups(groups, ids, self.n_expert)     # as it was (prefill down ranks pairs in it for a while)
+                trace.append((act.copy_to_host(), terms.copy_to_host()))
+        if family == "prefill":
+            moe.make_moe_combine(self.d_out, k)(0, terms, ids_device, route_w, out)
+        check_groups(groups, ids, self.n_expert)     # as it was
         return act.copy_to_host(), out.copy_to_host()
 
 
@@ -388,12 +372,12 @@ RANGES = ((0, 3), (3, 7), (7, None))
 N_RANGED = 8        # experts of the range tests (RANGES covers them)
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["any routing", "the routing's work"])
+@pytest.mark.parametrize("exact", [False, True], ids=["any routing", "the routing's tiles"])
 def test_moe_prefill_over_expert_ranges_equals_one_launch(rng, exact):
-    """gate/up then down over experts [0, 3), [3, 7), [7, 8) in turn give bitwise the act and out of one
-    launch over all (a row's terms add in ascending expert order whatever the ranges, here 3 per row), with
-    grids for any routing or each range's `RangeWork` (its tiles, its passes); a range's gate/up writes only
-    its experts' act rows (act starts as NaN)."""
+    """gate/up then down over experts [0, 3), [3, 7), [7, 8) in turn, then the combine, give bitwise the act
+    and out of one launch over all (a row's terms add in ascending expert order whatever the ranges, here 3
+    per row), with grids for any routing or each range's tiles; a range writes only its experts' act and term
+    rows (both start as NaN)."""
     experts = Experts(rng, T.F16, n_expert=N_RANGED)
     x, ids, route_w = moe_inputs(rng, 6, k=3, n_expert=N_RANGED)
     act, out = experts.run("prefill", x, ids, route_w, k=3)
@@ -402,9 +386,10 @@ def test_moe_prefill_over_expert_ranges_equals_one_launch(rng, exact):
     ranged = experts.run("prefill", x, ids, route_w, k=3, ranges=RANGES, trace=trace, exact=exact)
     assert np.array_equal(ranged[0], act) and np.array_equal(ranged[1], out)
     pair_experts = ids.reshape(-1)
-    for (_, hi), seen in zip(RANGES, trace):
+    for (_, hi), (seen_act, seen_terms) in zip(RANGES, trace):
         done = pair_experts < (hi or N_RANGED)
-        assert np.array_equal(seen[done], act[done]) and np.isnan(seen[~done]).all()
+        assert np.array_equal(seen_act[done], act[done]) and np.isnan(seen_act[~done]).all()
+        assert not np.isnan(seen_terms[done]).any() and np.isnan(seen_terms[~done]).all()
 
 
 def test_moe_prefill_over_expert_ranges_for_any_chunk(rng):
@@ -417,17 +402,37 @@ def test_moe_prefill_over_expert_ranges_for_any_chunk(rng):
         assert np.array_equal(out, whole[part])
 
 
-def test_range_work_counts_the_tiles_and_ranks_the_routing_makes(rng):
-    """Each range's tiles are the sum over its experts of ceil(pairs / PREFILL_BM), its passes the most
-    experts one row has in it (brute force over a random routing, ranges of 0 to 5 experts)."""
+def test_range_tiles_counts_the_tiles_the_routing_makes(rng):
+    """Each range's tiles are the sum over its experts of ceil(pairs / PREFILL_BM) (brute force over a random
+    routing, ranges of 0 to 5 experts)."""
     n_expert, rows, k = 16, 300, 4
     ids = top_ids(rng, rows, n_expert, k)
     edges = [0, 0, 1, 5, 5, 7, 12, 16]
     pairs = np.bincount(ids.reshape(-1), minlength=n_expert)
-    expected = [moe.RangeWork(sum(-(-pairs[e] // moe.PREFILL_BM) for e in range(a, b)),
-                              max(sum(a <= e < b for e in row) for row in ids)) for a, b in zip(edges, edges[1:])]
-    assert moe.range_work(ids, n_expert, edges) == expected
-    assert expected[0] == (0, 0) and expected[2].tiles >= 4
+    expected = [sum(-(-pairs[e] // moe.PREFILL_BM) for e in range(a, b)) for a, b in zip(edges, edges[1:])]
+    assert moe.range_tiles(ids, n_expert, edges) == expected
+    assert expected[0] == 0 and expected[2] >= 4
+
+
+def test_moe_combine_adds_each_rows_terms_in_ascending_expert_order(rng):
+    """out[r] = sum of route_w[r, j] * terms[r * k + j] over the row's slots sorted by expert id, from 0, in
+    float32 in that order (bitwise), whatever order top-k listed the experts in."""
+    rows, k, n_out = 6, 4, 40
+    ids = np.stack([rng.permutation(9)[:k] for _ in range(rows)]).astype(np.int32)
+    terms = rng.standard_normal((rows * k, n_out)).astype(np.float32)
+    route_w = rng.random((rows, k)).astype(np.float32)
+    out = cuda.to_device(np.full((rows, n_out), np.nan, np.float32))
+    moe.make_moe_combine(n_out, k)(0, cuda.to_device(terms), cuda.to_device(ids), cuda.to_device(route_w), out)
+    expected = np.zeros((rows, n_out), np.float32)
+    for r in range(rows):
+        for j in np.argsort(ids[r], kind="stable"):
+            expected[r] = expected[r] + route_w[r, j] * terms[r * k + j]
+    assert np.array_equal(out.copy_to_host(), expected)
+
+
+def test_moe_combine_refuses_more_terms_than_it_orders():
+    with pytest.raises(ValueError, match="at most 32 terms a row"):
+        moe.make_moe_combine(64, 33)
 
 
 @pytest.mark.parametrize("lo, hi", [(1, None), (0, 3)])
@@ -441,11 +446,11 @@ def test_moe_decode_refuses_an_expert_range(lo, hi):
         down(0, None, None, None, None, None, None, None, lo, hi)
 
 
-def test_moe_decode_refuses_a_range_work():
-    """A decode window's grid covers any routing (its graph is replayed for every step): no RangeWork."""
+def test_moe_decode_refuses_a_tile_count():
+    """A decode window's grid covers any routing (its graph is replayed for every step): no tile count."""
     down = moe.make_moe_down_matmul("decode", T.F32, D_FF, D_OUT, E, K)
-    with pytest.raises(ValueError, match="takes no RangeWork"):
-        down(0, None, None, None, None, None, None, None, work=moe.RangeWork(tiles=1, passes=1))
+    with pytest.raises(ValueError, match="takes no tile count"):
+        down(0, None, None, None, None, None, None, None, tiles=1)
 
 
 def test_moe_prefill_refuses_a_range_outside_the_experts():
@@ -485,7 +490,7 @@ def test_gpu_moe_qwen3_30b_shape(rng, family):
     """128 experts of Qwen3-30B-A3B's shape, half in VRAM slots and half in mapped host memory; a prefill
     chunk's 96 rows use 24 of them (so each gets ~32 pairs, and the float64 reference dequantizes 24, not 128).
     Then: a few rows again give their bits; prefill over three expert ranges gives the bits of one launch,
-    with grids for any routing and with the routing's `RangeWork`; every expert read from the host copy gives
+    with grids for any routing and with the routing's tiles (`range_tiles`); every expert read from the host copy gives
     the bits of every expert read from slots."""
     experts = Experts(rng, T.Q8_0, n_expert=128, d_in=2048, d_ff=768, d_out=2048, quantized=True)
     rows = 5 if family == "decode" else 96

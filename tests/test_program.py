@@ -86,7 +86,7 @@ def test_every_node_of_a_glm4moe_prompt_pass_matches_its_reference_op(models, rn
     errors = node_errors(runner, "prefill", prompt(rng, runner, 3))
     checked = {name.split(".")[-1] for name, _ in errors}
     assert {"attn_norm", "q", "q_rope", "attention", "ffn_gate_up", "router", "topk", "route_weights",
-            "moe_gate_up", "moe_down", "ffn_gate_up_shexp", "logits"} <= checked
+            "moe_gate_up", "moe_down", "moe_combine", "ffn_gate_up_shexp", "logits"} <= checked
     assert [(name, error) for name, error in errors if error > 1e-5] == []
 
 

@@ -352,19 +352,6 @@ def copy_rows(dst, dst_row: int, src, src_row: int, rows: int, stream) -> None:
         raise RuntimeError(f"an asynchronous copy of {rows * row_bytes} bytes failed: {err}")
 
 
-def fill_zero(array, stream) -> None:
-    """Every byte of a C-contiguous device array set to 0, asynchronous on `stream` (one driver memset, which a
-    captured graph takes as a node)."""
-    if not array.is_c_contiguous():
-        raise ValueError("fill_zero needs a C-contiguous device array")
-    if SIMULATOR:
-        array.copy_to_device(np.zeros(array.shape, array.dtype), stream=stream)
-        return
-    err, = _driver.cuMemsetD8Async(array.device_ctypes_pointer.value, 0, array.nbytes, _stream_handle(stream))
-    if err != _driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"zeroing {array.nbytes} bytes failed: {err}")
-
-
 def _check_rows(dst, dst_row: int, src, src_row: int, rows: int) -> None:
     if not (0 <= src_row <= src_row + rows <= src.shape[0] and 0 <= dst_row <= dst_row + rows <= dst.shape[0]):
         raise ValueError(f"rows {src_row}..{src_row + rows} into {dst_row}..{dst_row + rows}: outside "

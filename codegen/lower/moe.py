@@ -1,13 +1,12 @@
-"""Routed experts: (row, slot) pairs grouped by expert, each expert's SwiGLU gate/up and its down projection
-with the route-weighted sum fused, on the matmul cores of `codegen.lower.matmul` (same dots, same orders).
+"""Routed experts: (row, slot) pairs grouped by expert, each expert's SwiGLU gate/up and its down projection,
+then the route-weighted sum, on the matmul cores of `codegen.lower.matmul` (same dots, same orders).
 
 The groups buffer (`codegen.graph.moe_groups_length`): offsets[n_expert + 1], then pairs[rows * k] (pair =
 row * k + slot, ascending within an expert), then active[n_expert + 1] (the count of experts with pairs, then
 those experts ascending). Grids never depend on it: blocks past the work it describes return at once. A
 prefill launch whose routing the host knows (the engine reads it back for the prefill ring) may be given its
-exact work instead (`range_work`): grids of the tiles its pairs make and as many down passes as ranks occur,
-not the bounds of every possible routing (which, for the narrow ranges a shallow ring streams, launch mostly
-idle blocks and empty passes: BENCHMARKS.md, the prefill ring's timeline).
+exact tile count instead (`range_tiles`), not the bound for every possible routing (which, for the narrow
+ranges a shallow ring streams, launches mostly idle blocks: BENCHMARKS.md, the prefill ring's timeline).
 
 Two weight sources. Expert e's gate/up/down rows are read from the VRAM slot arrays at slot slot_of[e] when
 slot_of[e] >= 0 (the expert cache, the prefill ring, the drafter's block), else from the host arrays
@@ -17,8 +16,8 @@ cols) contiguous, or blob-major (`slot_bytes` > 0: slot s starts s * slot_bytes 
 (`ExpertStrides`). Same packed layout, same code path: a result is bitwise the same whichever source or
 slot an expert is read from.
 
-The weighted sum: each output row adds its k terms in ascending expert id order (top-k picks distinct
-experts per row), out[r] = out[r] + w * dot from out[r] = 0 (decode: the same order, summed in registers).
+The weighted sum: each output row adds its k route-weighted terms in ascending expert id order (top-k picks
+distinct experts per row), from 0.
 
 decode family: a window's rows pick distinct experts each (top-k does), so an expert has at most
   MAX_WINDOW pairs. gate/up: block (column group, y) computes every pair of the y-th active expert with one
@@ -27,17 +26,11 @@ decode family: a window's rows pick distinct experts each (top-k does), so an ex
   route-weighted sum over the row's experts, ascending. One launch over every expert.
 prefill family: each expert is a small GEMM over its gathered pairs, tiled by the prefill core; tiles are
   numbered across the experts of the launch's range lo <= e < hi (an in-block scan of the offsets maps a
-  block to its expert and tile); pairs of other experts are not touched (gate/up leaves their act rows).
-  down runs min(k, hi - lo) passes (or the routing's `RangeWork.passes`), pass q over the pairs whose expert
-  has rank q among its row's experts in the range (ascending ids), each row once per pass, every term added
-  to out (a launch from lo = 0 zeroes it first), so the weighted sum is in ascending expert order, and
-  launches over [0, a), [a, b), ..., [z, n_expert) in turn give bitwise the out of one launch over
-  [0, n_expert) (the ranges a prefill ring streams experts in; a one-expert range is one pass). Each pass
-  reads an expert's weights once. A first kernel of the launch finds the rank of every pair of the range's
-  experts (one scan of their part of the pairs list per block of rows) and keeps it in the spare high bits of
-  the pair's list entry (RANK_AT..30); the launch's last kernel clears them, so the groups buffer is as it
-  was once the launch is done. Prefill kernels mask the bits off wherever they read pairs; nothing else may
-  read the pairs list while a prefill down launch is in flight.
+  block to its expert and tile); pairs of other experts are not touched. gate/up writes a pair's act row,
+  down a pair's term row (its dot, an arena row per pair: pairs x n_embd floats), each reading an expert's
+  weights once; the combine (`make_moe_combine`, once the block's every range is done) weighs and adds each
+  row's k terms in ascending expert order. So launches over [0, a), [a, b), ..., [z, n_expert) (the ranges a
+  prefill ring streams experts in) give bitwise the out of one launch over every expert.
 """
 
 import functools
@@ -46,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import SIMULATOR, cuda, fill_zero, launch_kernel
+from codegen.lower.cuda import SIMULATOR, cuda, launch_kernel
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
                                   check, check_aligned, decode_core, prefill_core, silu, window_rows, words)
 from codegen.lower.word_formats import FORMATS
@@ -345,83 +338,14 @@ def _find_tile(grouped, tile_index, lo, hi, bm, scan, found):
     return found[0], found[1]
 
 
-RANK_AT = 26               # during a down launch, bits 26..30 of a pair's list entry hold its rank
-PAIR_MASK = (1 << RANK_AT) - 1
-MAX_RANKED_K = 1 << (31 - RANK_AT)
-RANK_PAIRS = 8192          # pairs of the rows a rank block owns: their experts sit in shared memory (int16)
-
-
-@functools.cache
-def rank_kernels(n_expert: int, k: int):
-    """(rank, unrank, rows per rank block): rank[ceil(rows / that), THREADS](groups, n_pairs, lo, hi) sets
-    bits RANK_AT.. of the list entry of each pair of an expert lo <= e < hi to the pair's rank among its row's
-    experts in that range (ascending ids; a repeated expert, which top-k never gives, ranks by slot);
-    unrank[ceil(n_pairs / 64), 64](groups, n_pairs) clears them. A rank block owns RANK_PAIRS // k rows: one
-    scan of the range's part of the list finds the expert of each of their pairs in it (a binary search of
-    the offsets), a second writes the ranks. Only the range's part is read: a narrow range (a prefill ring's
-    batch) ranks in a few us, where a scan of the whole list took ~0.15 ms a launch (BENCHMARKS.md)."""
-    if not 0 < k <= MAX_RANKED_K:
-        raise ValueError(f"top {k} experts: the prefill down projection ranks at most {MAX_RANKED_K} per row")
-    window = RANK_PAIRS // k
-    pairs_at = n_offsets = n_expert + 1
-
-    @cuda.jit
-    def rank(grouped, n_pairs, lo, hi):
-        expert_of = cuda.shared.array(RANK_PAIRS, np.int16)      # -1: the pair's expert is outside the range
-        offsets = cuda.shared.array(n_offsets, np.int32)
-        t = cuda.threadIdx.x & IDX
-        p0 = (cuda.blockIdx.x & BIDX) * window * k
-        p1 = min(n_pairs, p0 + window * k)
-        for e in range(t, n_offsets, THREADS):
-            offsets[e] = grouped[e]
-        for i in range(t, window * k, THREADS):
-            expert_of[i] = -1
-        cuda.syncthreads()
-        start, end = offsets[lo], offsets[hi]
-        for pos in range(start + t, end, THREADS):
-            p = grouped[pairs_at + pos] & PAIR_MASK
-            if p0 <= p < p1:
-                below, above = lo, hi - 1    # the last expert whose pairs start at or before pos
-                while below < above:
-                    mid = (below + above + 1) >> 1
-                    if offsets[mid] <= pos:
-                        below = mid
-                    else:
-                        above = mid - 1
-                expert_of[p - p0] = below
-        cuda.syncthreads()
-        for pos in range(start + t, end, THREADS):
-            p = grouped[pairs_at + pos] & PAIR_MASK
-            if p0 <= p < p1:
-                i = p - p0
-                j = i % k
-                mine = expert_of[i]
-                r = 0
-                for m in range(k):
-                    other = expert_of[i - j + m]
-                    if other >= 0 and (other < mine or (other == mine and m < j)):
-                        r += 1
-                grouped[pairs_at + pos] = p | (r << RANK_AT)
-
-    @cuda.jit
-    def unrank(grouped, n_pairs):
-        pos = (cuda.blockIdx.x & BIDX) * 64 + (cuda.threadIdx.x & IDX)
-        if pos < n_pairs:
-            grouped[pairs_at + pos] = grouped[pairs_at + pos] & PAIR_MASK
-
-    return rank, unrank, window
-
-
 @functools.cache
 def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, down: bool, strides: ExpertStrides):
-    """kernel[(col tiles, tiles), THREADS](x, groups, route_w, slot_of, wa, sa, wb, sb, hwa, hsa, hwb, hsb,
-    out, rank, lo, hi): one tile of one expert e (lo <= e < hi) of its pairs; e's rows from the slot arrays
-    (w*, s*) at slot_of[e], or the host arrays (hw*, hs*) at e when slot_of[e] < 0. Pairs are read masked
-    (PAIR_MASK): their entries may carry ranks.
-    gate/up (down False; rank -1, route_w unused): the expert's pairs in list order, x rows pair // k, tile
-      rows 0..63 gate and 64..127 up for the same 64 columns; out (act) row pair = silu(gate) * up.
-    down (rank q; the entries carry ranks, `rank_kernels`): the expert's pairs of rank q, numbered in list
-      order, x (act) rows pair; out row pair // k += route_w * dot."""
+    """kernel[(col tiles, tiles), THREADS](x, groups, slot_of, wa, sa, wb, sb, hwa, hsa, hwb, hsb, out, lo, hi):
+    one tile of one expert e (lo <= e < hi) of its pairs, in list order; e's rows from the slot arrays (w*,
+    s*) at slot_of[e], or the host arrays (hw*, hs*) at e when slot_of[e] < 0.
+    gate/up (down False): x rows pair // k, tile rows 0..63 gate and 64..127 up for the same 64 columns; out
+      (act) row pair = silu(gate) * up.
+    down (b unused): x (act) rows pair; out (terms) row pair = the dot."""
     bm = PREFILL_BM
     tile = prefill_core(ggml_type, n_in, bm)
     tm = bm // 16
@@ -429,7 +353,7 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
     pairs_at = n_expert + 1                        # the pairs list's start in the groups buffer
 
     @cuda.jit
-    def kernel(x, grouped, route_w, slot_of, wa, sa, wb, sb, hwa, hsa, hwb, hsb, out, rank, lo, hi):
+    def kernel(x, grouped, slot_of, wa, sa, wb, sb, hwa, hsa, hwb, hsb, out, lo, hi):
         xs = cuda.shared.array(X_TILE, np.float32, alignment=ALIGN)
         ws = cuda.shared.array(W_TILE, np.float32, alignment=ALIGN)
         scan = cuda.shared.array(THREADS, np.int64)
@@ -442,34 +366,10 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
             return
         first = grouped[e]
         count = grouped[e + 1] - first
-        if down:
-            # the pairs of rank `rank`, numbered in list order: number m goes to tile m // bm, row m % bm
-            per_thread = -(-count // THREADS)
-            levels = _levels(-(-count // per_thread))
-            q0, q1 = t * per_thread, min(count, (t + 1) * per_thread)
-            mine = 0
-            for q in range(q0, q1):
-                if grouped[pairs_at + first + q] >> RANK_AT == rank:
-                    mine += 1
-            if t < bm:
-                pairs[t] = -1
-            scan[t] = mine
-            _scan(scan, t, levels)
-            if tile_no * bm >= scan[(1 << levels) - 1]:
-                return
-            number = scan[t] - mine
-            for q in range(q0, q1):
-                entry = grouped[pairs_at + first + q]
-                if entry >> RANK_AT == rank:
-                    if tile_no * bm <= number < (tile_no + 1) * bm:
-                        pairs[number - tile_no * bm] = entry & PAIR_MASK
-                    number += 1
-        elif t < bm:
-            q = tile_no * bm + t
-            pairs[t] = grouped[pairs_at + first + q] & PAIR_MASK if q < count else -1
-        cuda.syncthreads()
         if t < bm:
-            xrows[t] = -1 if pairs[t] < 0 else (pairs[t] & PAIR_MASK if down else pairs[t] // k)
+            q = tile_no * bm + t
+            pairs[t] = grouped[pairs_at + first + q] if q < count else -1
+            xrows[t] = -1 if q >= count else (pairs[t] if down else pairs[t] // k)
         cuda.syncthreads()
         n0 = (cuda.blockIdx.x & BIDX) * cols
         a_words, a_scales, b_words, b_scales = _source(slot_of, e, strides, wa, sa, wb, sb, hwa, hsa, hwb, hsb)
@@ -480,38 +380,62 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
         for i in range(tm):
             p = pairs[(i // 4) * (bm // (tm // 4)) + ty * 4 + i % 4]
             if p >= 0:
-                weight = route_w[p // k, p % k] if down else np.float32(0)
                 for j in range(8 if down else 4):
                     n = n0 + (j // 4) * (BN // 2) + tx * 4 + j % 4
                     if n < n_cols:
-                        if not down:
-                            out[p, n] = silu(acc[i, j]) * acc[i, j + 4]
-                        else:
-                            out[p // k, n] = out[p // k, n] + weight * acc[i, j]
+                        out[p, n] = acc[i, j] if down else silu(acc[i, j]) * acc[i, j + 4]
 
     return kernel, -(-n_cols // cols)
 
 
-class RangeWork(NamedTuple):
-    """What a prefill launch over one expert range has to do, from the routing: the tiles its experts' pairs
-    make (the grid's rows) and the most experts one row has in the range (the down launch's passes)."""
-    tiles: int
-    passes: int
+COMBINE_THREADS = 32 if SIMULATOR else 128     # the simulator runs a thread each: the fewest that hold k
+MAX_COMBINED_K = 32
 
 
-def range_work(ids: np.ndarray, n_expert: int, edges) -> list:
-    """RangeWork of each expert range [edges[i], edges[i + 1]) for a chunk routed to ids (rows, k): what the
-    kernels would find in the groups buffer, counted on the host."""
-    ids = np.asarray(ids).reshape(len(ids), -1)
-    edges = np.asarray(edges, np.int64)
-    tiles_of = -(-np.bincount(ids.reshape(-1), minlength=n_expert) // PREFILL_BM)
+@functools.cache
+def make_moe_combine(n_out: int, k: int):
+    """launch(stream, terms, ids, route_w, out): out[r] = the sum over the row's experts e = ids[r, j], in
+    ascending id order (top-k's are distinct; a repeated id would go by slot), of route_w[r, j] * terms[r * k
+    + j], from 0: the prefill down projection's weighted sum (its terms come expert range by expert range as
+    the prefill ring streams experts; the sum waits for all of them and never depends on the ranges)."""
+    @cuda.jit
+    def kernel(terms, ids, route_w, out):
+        order = cuda.shared.array(MAX_COMBINED_K, np.int32)
+        r = cuda.blockIdx.x & BIDX
+        t = cuda.threadIdx.x & IDX
+        if t < k:
+            mine, rank = ids[r, t], 0
+            for m in range(k):
+                other = ids[r, m]
+                if other < mine or (other == mine and m < t):
+                    rank += 1
+            order[rank] = t
+        cuda.syncthreads()
+        for n in range((cuda.blockIdx.y & BIDX) * COMBINE_THREADS + t, n_out, COMBINE_THREADS * cuda.gridDim.y):
+            total = np.float32(0)
+            for q in range(k):
+                j = order[q]
+                total = total + route_w[r, j] * terms[r * k + j, n]
+            out[r, n] = total
+
+    if not 0 < k <= MAX_COMBINED_K:
+        raise ValueError(f"top {k} experts: the prefill combine adds at most {MAX_COMBINED_K} terms a row")
+    column_blocks = max(1, min(8, n_out // (4 * COMBINE_THREADS)))
+
+    def launch(stream, terms, ids, route_w, out):
+        rows = out.shape[0]
+        if rows:
+            launch_kernel(kernel, (rows, column_blocks), COMBINE_THREADS, stream, terms, ids, route_w, out)
+    return launch
+
+
+def range_tiles(ids: np.ndarray, n_expert: int, edges) -> list:
+    """The tiles of each expert range [edges[i], edges[i + 1]) for a chunk routed to ids (rows, k): the sum
+    over its experts of ceil(pairs / PREFILL_BM), what the kernels would find in the groups buffer, counted on
+    the host (a prefill launch given them has grids of exactly that many tiles)."""
+    tiles_of = -(-np.bincount(np.asarray(ids).reshape(-1), minlength=n_expert) // PREFILL_BM)
     cumulative = np.concatenate([[0], np.cumsum(tiles_of)])
-    n_ranges = len(edges) - 1
-    range_of = np.searchsorted(edges, ids, side="right") - 1
-    cells = np.arange(len(ids))[:, None] * n_ranges + range_of
-    in_row = np.bincount(cells.reshape(-1), minlength=len(ids) * n_ranges).reshape(len(ids), n_ranges)
-    passes = in_row.max(axis=0) if len(ids) else np.zeros(n_ranges, np.int64)
-    return [RangeWork(int(cumulative[b] - cumulative[a]), int(q)) for a, b, q in zip(edges, edges[1:], passes)]
+    return [int(cumulative[b] - cumulative[a]) for a, b in zip(edges, edges[1:])]
 
 
 def _max_tiles(rows: int, k: int, n_range: int) -> int:
@@ -522,13 +446,13 @@ def _max_tiles(rows: int, k: int, n_range: int) -> int:
     return n_pairs // PREFILL_BM + min(n_range, n_pairs)
 
 
-def _range(family: str, n_expert: int, lo, hi, work=None) -> tuple:
+def _range(family: str, n_expert: int, lo, hi, tiles=None) -> tuple:
     """(lo, hi) checked: prefill takes any 0 <= lo <= hi <= n_expert; decode runs over every expert, its grid
     from no routing (a captured graph replays it for any)."""
     hi = n_expert if hi is None else hi
     if family == "decode":
-        if work is not None:
-            raise ValueError("a decode-family launch takes no RangeWork: its grid covers any routing")
+        if tiles is not None:
+            raise ValueError("a decode-family launch takes no tile count: its grid covers any routing")
         if lo != 0 or hi != n_expert:
             raise ValueError(f"expert range [{lo}, {hi}) in a decode-family launch: decode runs over all "
                              f"{n_expert} experts at once (lo=0, hi=None); only prefill launches take a range")
@@ -543,74 +467,62 @@ def _range(family: str, n_expert: int, lo, hi, work=None) -> tuple:
 
 @functools.cache
 def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, slot_bytes: int = 0):
-    """launch(stream, x, groups, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None, work=None):
+    """launch(stream, x, groups, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None, tiles=None):
     act[r * k + j] = silu(G @ x[r]) * (U @ x[r]) for the pairs whose expert e = ids[r, j] has lo <= e < hi
     (hi None: n_expert; decode: every expert, no range), other act rows untouched; G, U = gate[slot_of[e]],
     up[slot_of[e]] (gate/up: slots of n_ff x n_in, contiguous or `slot_bytes` apart), or host_gate[e],
-    host_up[e] (host_* (n_expert, n_ff, n_in), contiguous) when slot_of[e] < 0. work (prefill only): the
-    range's `RangeWork`, else the grid covers any routing."""
+    host_up[e] (host_* (n_expert, n_ff, n_in), contiguous) when slot_of[e] < 0. tiles (prefill only): the
+    range's tiles from the routing (`range_tiles`), else the grid covers any routing."""
     check(family, ggml_type, n_in, n_ff)
     strides = expert_strides(ggml_type, n_ff, n_in, slot_bytes)
     if family == "decode":
-        def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None, work=None):
-            _range(family, n_expert, lo, hi, work)
+        def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None, tiles=None):
+            _range(family, n_expert, lo, hi, tiles)
             check_aligned("a routed gate/up's activations", x)
             shape = decode_swiglu_shape(window_rows(x))
             decode_swiglu(T(ggml_type), n_in, n_ff, n_expert, k, shape, strides)(
                 stream, x, grouped, slot_of, *words(gate), *words(up), *words(host_gate), *words(host_up),
                 act)
         return launch
-    kernel, col_tiles = prefill_kernel(T(ggml_type), n_in, n_ff, n_expert, k, False, strides)
-
-    def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None, work=None):
-        lo, hi = _range(family, n_expert, lo, hi)
-        tiles = _max_tiles(x.shape[0], k, hi - lo) if work is None else work.tiles
-        if tiles:
-            launch_kernel(kernel, (col_tiles, tiles), THREADS, stream,
-                x, grouped, x, slot_of, *words(gate), *words(up), *words(host_gate), *words(host_up), act,
-                -1, lo, hi)     # x: no route_w
-    return launch
+    return _prefill_launch(prefill_kernel(T(ggml_type), n_in, n_ff, n_expert, k, False, strides), n_expert, k)
 
 
 @functools.cache
 def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, slot_bytes: int = 0):
-    """launch(stream, act, groups, route_w, slot_of, down, host_down, out, lo=0, hi=None, work=None): out[r] =
-    the sum over the row's experts e = ids[r, j], in ascending id order, of route_w[r, j] * (D @ act[r * k + j]), with
-    D = down[slot_of[e]] (down: slots of n_out x n_ff, contiguous or `slot_bytes` apart), or host_down[e]
-    ((n_expert, n_out, n_ff)) when slot_of[e] < 0. prefill: only the terms of experts lo <= e < hi (hi None:
-    n_expert); every term adds to out[r], which a launch from lo = 0 zeroes first, so launches over [0, a),
-    [a, b), ..., [z, n_expert) in that order give bitwise the out of one launch over every expert (with or without their
-    `RangeWork`: the passes it skips have no pairs). decode: every expert, no range, no work."""
+    """D = down[slot_of[e]] (down: slots of n_out x n_ff, contiguous or `slot_bytes` apart), or host_down[e]
+    ((n_expert, n_out, n_ff)) when slot_of[e] < 0, for a pair's expert e = ids[r, j].
+    prefill: launch(stream, act, groups, slot_of, down, host_down, terms, lo=0, hi=None, tiles=None): terms[r *
+      k + j] = D @ act[r * k + j] for the pairs of experts lo <= e < hi (hi None: n_expert), other rows
+      untouched; `make_moe_combine` then weighs and adds a row's terms, so launches over any expert ranges give
+      the same sum. tiles: as gate/up's.
+    decode: launch(stream, act, groups, route_w, slot_of, down, host_down, out): out[r] = the sum over the row's
+      experts, in ascending id order, of route_w[r, j] * (D @ act[r * k + j]), summed in registers."""
     check(family, ggml_type, n_ff, n_out)
     strides = expert_strides(ggml_type, n_out, n_ff, slot_bytes)
     if family == "decode":
-        def launch(stream, act, grouped, route_w, slot_of, down, host_down, out, lo=0, hi=None, work=None):
-            _range(family, n_expert, lo, hi, work)
+        def launch(stream, act, grouped, route_w, slot_of, down, host_down, out, lo=0, hi=None, tiles=None):
+            _range(family, n_expert, lo, hi, tiles)
             check_aligned("a routed down projection's activations", act)
             shape = decode_down_shape(window_rows(route_w))
             decode_down(T(ggml_type), n_ff, n_out, n_expert, k, shape, strides)(
                 stream, act, grouped, route_w, slot_of, *words(down), *words(host_down), out)
         return launch
-    kernel, col_tiles = prefill_kernel(T(ggml_type), n_ff, n_out, n_expert, k, True, strides)
-    rank_pairs, unrank_pairs, rank_rows = rank_kernels(n_expert, k)
+    prefill = _prefill_launch(prefill_kernel(T(ggml_type), n_ff, n_out, n_expert, k, True, strides), n_expert, k)
 
-    def launch(stream, act, grouped, route_w, slot_of, down, host_down, out, lo=0, hi=None, work=None):
-        lo, hi = _range(family, n_expert, lo, hi)
-        rows = route_w.shape[0]
-        if work is None:
-            work = RangeWork(_max_tiles(rows, k, hi - lo), min(k, hi - lo))
-        tiles, n_pairs = work.tiles, rows * k
-        if n_pairs > PAIR_MASK:
-            raise ValueError(f"{rows} rows x top {k}: the prefill down projection takes at most {PAIR_MASK} pairs")
-        if lo == 0:     # the ranges' terms add from zero
-            fill_zero(out, stream)
-        if not tiles:
-            return
-        dw, ds = words(down)
-        hw, hs = words(host_down)
-        launch_kernel(rank_pairs, -(-rows // rank_rows), THREADS, stream, grouped, n_pairs, lo, hi)
-        for q in range(work.passes):    # pass q: each row's q-th smallest expert in the range, ascending
-            launch_kernel(kernel, (col_tiles, tiles), THREADS, stream, act, grouped, route_w, slot_of, dw, ds, dw,
-                          ds, hw, hs, hw, hs, out, q, lo, hi)
-        launch_kernel(unrank_pairs, -(-n_pairs // 64), 64, stream, grouped, n_pairs)
+    def launch(stream, act, grouped, slot_of, down, host_down, terms, lo=0, hi=None, tiles=None):
+        prefill(stream, act, grouped, slot_of, down, down, host_down, host_down, terms, lo, hi, tiles)   # no b
+    return launch
+
+
+def _prefill_launch(compiled, n_expert: int, k: int):
+    """launch(stream, x, groups, slot_of, a, b, host_a, host_b, out, lo, hi, tiles) of a `prefill_kernel`."""
+    kernel, col_tiles = compiled
+
+    def launch(stream, x, grouped, slot_of, a, b, host_a, host_b, out, lo=0, hi=None, tiles=None):
+        lo, hi = _range("prefill", n_expert, lo, hi)
+        if tiles is None:       # out (act or terms) has a row per pair
+            tiles = _max_tiles(out.shape[0] // k, k, hi - lo)
+        if tiles:
+            launch_kernel(kernel, (col_tiles, tiles), THREADS, stream, x, grouped, slot_of, *words(a), *words(b),
+                          *words(host_a), *words(host_b), out, lo, hi)
     return launch

@@ -1,12 +1,17 @@
 """A pass graph lowered: every node bound to its kernel, its weights, the K/V pages and its arena slice.
 
-`lower` walks the graph in order and turns each node into a `Step` (a compiled kernel's launch function and
-the device arrays it takes). Running a program is calling the steps in order on one stream; nothing is
-allocated and nothing synchronises, so the runtime can capture a decode window's program into a CUDA graph
-and replay it. The activation arena is the one the planner sized: every block's tensors sit at their
-representative block's offsets (`codegen.memory.full_pass_offsets`).
+`lower` binds the graph's nodes, in order, each to a `Step` (a compiled kernel's launch function and the
+device arrays it takes). Running a program is calling the steps in order on one stream; nothing is allocated
+and nothing synchronises, so the runtime can capture a decode window's program into a CUDA graph and replay
+it. The activation arena is the one the planner sized: every block's tensors sit at their representative
+block's offsets (`codegen.memory.full_pass_offsets`).
+
+A step and a tensor's view are made when first asked for: a new program's first run binds each step just
+before it is launched, so the binding (Python: ~10 ms for a 6-block prefill, mostly numba making device array
+views) overlaps the GPU running the steps launched before it instead of delaying a prompt's first kernel.
 """
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +23,7 @@ from codegen.memory import full_pass_offsets, plan_arena
 from planner.architecture import tensor_layer
 
 _DTYPES = {"f32": np.float32, "i32": np.int32}
+_NOT_LAUNCHED = ("input", "select_rows")      # a pass's inputs, and views of a tensor's rows
 
 
 @dataclass(frozen=True)
@@ -30,15 +36,43 @@ class Step:
         self.launch(stream, *self.args)
 
 
+class Steps(Sequence):
+    """A program's steps in launch order, each bound on first access (iterating binds them one by one)."""
+
+    def __init__(self, lowering, names: list):
+        self._lowering, self._names = lowering, names
+        self._bound = {}
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self.named(self._names[index])
+
+    def named(self, name: str) -> Step:
+        """The step that writes tensor `name`."""
+        if name not in self._bound:
+            self._bound[name] = self._lowering.step(name)
+        return self._bound[name]
+
+
 @dataclass
 class Program:
     graph: object
-    steps: list
-    tensors: dict       # tensor name -> device array view into the arena
+    steps: Steps
+    tensors: Mapping       # tensor name -> device array view into the arena
 
     def run(self, stream) -> None:
         for step in self.steps:
             step.run(stream)
+
+    def bind(self) -> "Program":
+        """Bind every step now (an engine's start: a node no kernel lowers fails there, not in a request)."""
+        for _step in self.steps:
+            pass
+        return self
 
 
 def arena_layout(model, kind: str, tokens: int, kv, with_drafter: bool = False, drafter_kv_rows: bool = True):
@@ -50,6 +84,37 @@ def arena_layout(model, kind: str, tokens: int, kv, with_drafter: bool = False, 
     return graph, arena.size_bytes, full_pass_offsets(graph, arena, model.hparams)
 
 
+class _ArenaViews(Mapping):
+    """tensor name -> its device array view into the arena, made on first access."""
+
+    def __init__(self, graph, arena, offsets: dict):
+        self._graph, self._arena, self._offsets = graph, arena, offsets
+        self._names = [name for name in nodes_in_order(graph)
+                       if graph.nodes[name]["op"] == "select_rows" or graph.nodes[name]["out_bytes"]]
+        self._known = set(self._names)
+        self._views = {}
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __getitem__(self, name: str):
+        if name not in self._known:
+            raise KeyError(name)
+        if name not in self._views:
+            node = self._graph.nodes[name]
+            if node["op"] == "select_rows":      # the last rows of its input: a view, not a copy
+                source = self[next(iter(self._graph.predecessors(name)))]
+                self._views[name] = source[source.shape[0] - node["shape"][0]:]
+            else:
+                start = self._offsets[name]
+                view = self._arena[start:start + node["out_bytes"]].view(_DTYPES[node["dtype"]])
+                self._views[name] = view.reshape(node["shape"])
+        return self._views[name]
+
+
 class _Lowering:
     def __init__(self, graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots,
                  host_experts, host_kv, attention_windows):
@@ -59,16 +124,7 @@ class _Lowering:
         self.host_experts = host_experts
         self.family = "prefill" if graph.graph["kind"] == "prefill" else "decode"
         self.kv_type = graph.graph["kv"]
-        self.tensors = {}
-        for name in nodes_in_order(graph):
-            node = graph.nodes[name]
-            if node["op"] == "select_rows":      # the last rows of its input: a view, not a copy
-                source = self.tensors[next(iter(graph.predecessors(name)))]
-                self.tensors[name] = source[source.shape[0] - node["shape"][0]:]
-            elif node["out_bytes"]:
-                start = offsets[name]
-                view = arena[start:start + node["out_bytes"]].view(_DTYPES[node["dtype"]])
-                self.tensors[name] = view.reshape(node["shape"])
+        self.tensors = _ArenaViews(graph, arena, offsets)
         self.f32_placeholder = arena[:4].view(np.float32)     # never read: no bias; allocates nothing
 
     def weight(self, name: str):
@@ -80,7 +136,7 @@ class _Lowering:
         """A norm weight or bias as a float32 vector."""
         return self.weight(name).data
 
-    def step(self, name: str) -> Step | None:
+    def step(self, name: str) -> Step:
         node, hp = self.graph.nodes[name], self.hp
         op, shape = node["op"], node["shape"]
         inputs = [self.tensors.get(p) for p in self.graph.predecessors(name)]
@@ -88,8 +144,6 @@ class _Lowering:
         layer = tensor_layer(name)
         weights = node["weights"]
         family = self.family
-        if op in ("input", "select_rows"):
-            return None
         if op == "embed":
             table = self.weight(weights[0])
             return Step(name, pointwise.make_embed(table.ggml_type, hp.n_embd), (inputs[0], table, out))
@@ -140,12 +194,15 @@ class _Lowering:
             host_gate, host_up, _ = self.host_experts.get(layer, (gate, up, None))     # none: the slot arrays
             return Step(name, launch, (h, groups, self.expert_slots[layer], gate, up, host_gate, host_up, out))
         if op == "moe_down_matmul":
-            act, groups, route_weights, _h = inputs     # h: an input only to stay live (codegen.graph)
+            act, groups, *route_weights, _h = inputs     # h: an input only to stay live (codegen.graph)
             down = self.weight(weights[0])
             launch = moe.make_moe_down_matmul(family, down.ggml_type, down.shape[-1], down.shape[-2],
                                                  hp.n_expert, hp.n_expert_used, down.slot_bytes)
             host_down = self.host_experts.get(layer, (None, None, down))[2]
-            return Step(name, launch, (act, groups, route_weights, self.expert_slots[layer], down, host_down, out))
+            # prefill: no route weights (its terms are weighed by the combine)
+            return Step(name, launch, (act, groups, *route_weights, self.expert_slots[layer], down, host_down, out))
+        if op == "moe_combine":
+            return Step(name, moe.make_moe_combine(hp.n_embd, hp.n_expert_used), (*inputs, out))
         if op == "kv_store":
             k, v, positions = inputs
             launch = kv_pages.make_kv_store(self.kv_type, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v,
@@ -183,12 +240,13 @@ def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, aren
     page p at index p, mapped host memory): stores write through to it, and attention reads a page from it when
     the page table says -1 (a layer without: every page must have a slot); attention_windows: layer -> the
     positions a row's attention reaches back (the drafter's window; a layer without reads its whole context).
-    The steps launch the MoE kernels over every expert (lo=0, hi=None).
+    The steps launch the MoE kernels over every expert (lo=0, hi=None). A node's kernel, weights and tables
+    are checked when its step is bound (on first use).
     """
     if expert_slots is None:
         identity = cuda.to_device(np.arange(hparams.n_expert, dtype=np.int32))
         expert_slots = {layer: identity for layer in range(hparams.n_layer)}
     lowering = _Lowering(graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots,
                          host_experts or {}, host_kv or {}, attention_windows or {})
-    steps = [step for step in map(lowering.step, nodes_in_order(graph)) if step is not None]
-    return Program(graph, steps, lowering.tensors)
+    names = [name for name in nodes_in_order(graph) if graph.nodes[name]["op"] not in _NOT_LAUNCHED]
+    return Program(graph, Steps(lowering, names), lowering.tensors)
