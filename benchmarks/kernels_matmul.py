@@ -27,6 +27,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
 from runtime.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_bytes_per_s
+from codegen.cost import measured_tile_rows_per_pair
 from codegen.graph import moe_groups_length
 from codegen.lower import matmul, moe, weights
 from codegen.lower.cuda import cuda, device_name, mapped_filled
@@ -531,7 +532,7 @@ def moe_prefill(rng, peak):
                                                        p.scales[check])) for p in (gate, up, down)]
         ref = reference.moe(x.copy_to_host()[:2].astype(np.float64), local, route_w.copy_to_host()[:2], *deq)
         err = rel_err(out.copy_to_host()[:2], ref)
-        tile_rows = tile_rows_computed(host_ids, n_expert) / pairs
+        tile_rows = measured_tile_rows_per_pair(host_ids, n_expert)
         total = 0.0
         for name, (part, flops) in parts.items():
             seconds = graph_seconds(launches(lambda s, i, part=part: part(s), 2), repeats=5)
@@ -543,11 +544,6 @@ def moe_prefill(rng, peak):
                      f"{6.0 * pairs * e_dim * f_dim / total / peak:.0%}", "", ""))
     table("MoE prefill, one Qwen3-30B-A3B layer (Q8_0, 128 experts, 8 used, skewed routing)",
           ["chunk", "kernel", "us", "TFLOP/s", "of FMA peak", "tile rows", "rel err (2 rows)"], rows)
-
-
-def tile_rows_computed(ids, n_expert):
-    """Rows the prefill expert tiles compute: each expert's pairs rounded up to whole PREFILL_BM-row tiles."""
-    return int(sum(-(-n // moe.PREFILL_BM) * moe.PREFILL_BM for n in np.bincount(ids.reshape(-1), minlength=n_expert)))
 
 
 def prefill_table(rng, peak, theoretical):

@@ -12,7 +12,8 @@ Every node is one op producing one tensor (the node's name is the tensor's name)
   pass, so every block of a kind sees the same surroundings and gets the same arena offsets),
   expert_layer (for routed-expert ops: the layer whose experts it reads; their bytes are the planner's,
   who knows which are cached and which stream), kv_layer / kv_read (for attention: K/V bytes read per
-  context token), output (True for tensors that leave the pass).
+  context token; kv_reads, prefill: how often a position read from the host copy crosses the link),
+  output (True for tensors that leave the pass).
 Edges run from the producer of a tensor to each of its consumers.
 
 Prefill computes the output head for the last position only: a full-chunk logits buffer is
@@ -26,8 +27,15 @@ from planner.kv import KVType, row_bytes
 
 PASS_KINDS = ("prefill", "decode", "draft")
 ATTENTION_SPLITS = 64   # tile sets a decode/draft window's attention is split into
+EXPERT_TILE_ROWS = 64   # pair rows of a prefill expert tile (an expert's last one computes all its rows: codegen.cost)
+PREFILL_QUERY_VECTORS = 32  # a prefill attention block's query vectors (rows x query heads), padded to a multiple
 ACTIVATION_BYTES = 4    # float32 activations
 INDEX_BYTES = 4         # int32 token and expert ids
+
+
+def prefill_attention_rows(group: int) -> int:
+    """The chunk rows a prefill attention block holds for a kv head of `group` query heads."""
+    return max(1, PREFILL_QUERY_VECTORS // group)
 
 
 class _Builder:
@@ -89,8 +97,11 @@ class _Builder:
         kv_attrs = dict(flops_per_context_token=4.0 * rows * hp.n_head * hp.head_dim_k, kv_layer=layer,
                         kv_read=kv_row_bytes)
         if self.kind == "prefill":
+            # each block of a kv head's query slices reads every position it reaches: a position read from the
+            # host copy crosses the link once a slice (kv_reads), where VRAM's L2 serves the repeats
+            slices = -(-rows // prefill_attention_rows(hp.n_head // hp.n_head_kv))
             attn = self.op(p + "attention", "attention", [q, stored, "positions"], (rows, hp.n_head * hp.head_dim_v),
-                           **kv_attrs)
+                           kv_reads=slices, **kv_attrs)
         else:
             # a window's few queries cannot fill the GPU: the context is split into ATTENTION_SPLITS tile sets
             # (attention tile i in set i mod ATTENTION_SPLITS), each giving a partial softmax (max, sum, weighted V),

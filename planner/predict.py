@@ -27,7 +27,7 @@ from functools import cached_property
 
 import numpy as np
 
-from codegen.cost import pass_cost
+from codegen.cost import expected_tile_rows_per_pair, pass_cost
 from codegen.graph import build_pass, representative_layers
 from planner.kv import KVType
 from planner.profile import GPU
@@ -130,6 +130,13 @@ class DeviceCost:
         """[block, expert]: the chance that a batch of `tokens` positions uses each expert."""
         return 1.0 - (1.0 - np.minimum(self.popularity, 1.0)) ** tokens
 
+    def tile_rows_per_pair(self, tokens: int) -> np.ndarray:
+        """[block]: the rows a chunk of `tokens` positions makes its expert tiles compute per pair."""
+        key = ("tile rows", tokens)
+        if key not in self._memo:
+            self._memo[key] = expected_tile_rows_per_pair(self.popularity, tokens)
+        return self._memo[key]
+
     def window_tables(self, tokens: int):
         key = ("window", tokens)
         if key not in self._memo:
@@ -154,7 +161,7 @@ class DeviceCost:
         experts_s = ((total - miss) / g.memory_bandwidth_bytes_per_s
                      + miss / g.zero_copy_read_bytes_per_s) / cost.expert_efficiency
         streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.host_to_device_bytes_per_s
-        return (cost.dense_s(depth, resident) + streamed_kv + experts_s + len(self.moe_blocks) * cost.expert_compute_s
+        return (cost.dense_s(depth, resident) + streamed_kv + experts_s + len(self.moe_blocks) * cost.expert_compute_s()
                 + cost.n_nodes * g.graph_node_overhead_s + self._host_calls_s(WINDOW_HOST_CALLS))
 
     def _host_calls_s(self, calls: int) -> float:
@@ -170,7 +177,7 @@ class DeviceCost:
         drafter = self.model.drafter_expert_layers[0]
         experts_s = (self.model.hparams.n_expert_used * drafter.blob_bytes / self.gpu.memory_bandwidth_bytes_per_s
                      / cost.expert_efficiency)
-        return (cost.dense_s(span, span) + experts_s + cost.expert_compute_s
+        return (cost.dense_s(span, span) + experts_s + cost.expert_compute_s()
                 + cost.n_nodes * self.gpu.graph_node_overhead_s + self._host_calls_s(DRAFT_STEP_HOST_CALLS))
 
     # --- prefill ---------------------------------------------------------------------------------------
@@ -184,16 +191,18 @@ class DeviceCost:
         scale = tokens / graph_tokens
         start = context - tokens
         resident = np.minimum(start, resident_tokens) + tokens     # this chunk's own K/V is being written
-        streamed_kv_bytes = (start - np.minimum(start, resident_tokens)) * cost.kv_bytes_per_token
-        compute = scale * cost.dense_s(context, resident) + cost.n_nodes * g.graph_node_overhead_s
+        # attention reads older positions the K/V ring no longer holds from the host copy, zero-copy, once per
+        # query slice of the chunk: time on the compute stream and on the link
+        host_kv_s = ((start - np.minimum(start, resident_tokens)) * cost.kv_bytes_per_token
+                     * cost.host_kv_reads * scale / g.zero_copy_read_bytes_per_s)
+        compute = scale * cost.dense_s(context, resident) + cost.n_nodes * g.graph_node_overhead_s + host_kv_s
         if not self.moe_blocks:
-            return np.maximum(compute, streamed_kv_bytes / g.host_to_device_bytes_per_s)
+            return compute
         (expert_compute, touched_read_s, streamed_bytes, streamed_count, stall_per_expert, streaming_blocks,
          batch_ends, launch_s) = streaming
         fill, drain = batch_ends        # a streaming block's first batch's copy, its last batch's kernels
         compute = compute + expert_compute + touched_read_s + streaming_blocks * fill
-        stream = ((streamed_bytes + streamed_kv_bytes) / g.host_to_device_bytes_per_s
-                  + streamed_count * stall_per_expert
+        stream = (streamed_bytes / g.host_to_device_bytes_per_s + host_kv_s + streamed_count * stall_per_expert
                   + streaming_blocks * (scale * cost.block_s(context, resident) + drain))
         return np.maximum(np.maximum(compute, stream), launch_s)
 
@@ -210,7 +219,7 @@ class DeviceCost:
         miss_table, count_table, touched_bytes, touched_count = self.window_tables(tokens)
         streamed_bytes = miss_table.total(cache_slots)
         streamed_count = count_table.total(cache_slots)
-        expert_compute = tokens / graph_tokens * len(self.moe_blocks) * cost.expert_compute_s
+        expert_compute = tokens / graph_tokens * float(np.sum(cost.expert_compute_s(self.tile_rows_per_pair(tokens))))
         per_expert_compute = expert_compute / max(touched_count, 1e-9)
         copy = self.mean_blob / g.host_to_device_bytes_per_s     # a typical expert's copy, for the ring's stalls
         slot_cycle = g.copy_latency_s + copy + per_expert_compute

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from codegen.cost import fitted_s, kernel_family, node_roofline_s
+from codegen.cost import fitted_s, kernel_family, measured_tile_rows_per_pair, node_roofline_s
 from codegen.lower.cuda import CapturedGraph, cuda
 from codegen.lower.moe import range_tiles
 from planner.architecture import tensor_layer
@@ -180,15 +180,20 @@ def _with_host_waits(timed: list, wall_s: float) -> list:
 
 
 def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int) -> list:
-    """(family, node, roofline s, measured s) of every node of the engine's `kind` pass over `tokens` rows."""
+    """(family, node, roofline s, measured s) of every node of the engine's `kind` pass over `tokens` rows (a
+    prefill pass's routed-expert nodes computing the tile rows of the routing the engine last read back)."""
     program = engine._program(kind, tokens)
     steps = program.steps
     decode = kind == "decode"
     times = np.median(node_times_s(steps, engine.compute, REPEATS, 20000 if decode else 200000), axis=0)
     if decode:      # the events' cost, spread over the nodes (a prefill node's is negligible)
         times = np.maximum(times - (times.sum() - replay_s(steps, engine.compute, REPEATS)) / len(steps), 1e-7)
+    tile_rows = {} if decode else {
+        block: measured_tile_rows_per_pair(engine.routed_ids[i, :tokens], engine.hp.n_expert)
+        for i, block in enumerate(engine.moe_blocks)}
     return [(kernel_family(program.graph.nodes[step.name], decode), step.name,
-             node_roofline_s(program.graph, step.name, gpu, engine.model, context + decode), float(measured))
+             node_roofline_s(program.graph, step.name, gpu, engine.model, context + decode,
+                             tile_rows.get(tensor_layer(step.name), 1.0)), float(measured))
             for step, measured in zip(steps, times)]
 
 

@@ -130,13 +130,16 @@ def air_8g():
     return solve(hardware="rtx-2060-super-8g", model="glm-4.5-air-q4_k_m", context=32768, kv="q8_0", mtp=True)
 
 
-def test_a_bigger_prefill_ring_shrinks_the_cache_or_the_chunk(air_8g):
+def test_a_bigger_prefill_ring_shrinks_the_cache_the_chunk_or_the_kv_ring(air_8g):
+    """The ring's bytes come from somewhere: fewer cache slots, a smaller chunk's arena, or fewer K/V pages
+    (which prefill then reads from the host copy: priced, so the plan is slower)."""
     bigger = air_8g.knobs["prefill_ring_slots"] + 24
     forced = solve(hardware="rtx-2060-super-8g", model="glm-4.5-air-q4_k_m", context=32768, kv="q8_0", mtp=True,
                    pins={"ring_slots": bigger})
     assert forced.knobs["prefill_ring_slots"] == bigger
     assert forced.knobs["expert_cache_slots"][0] < air_8g.knobs["expert_cache_slots"][0] or \
-        forced.knobs["chunk_tokens"] < air_8g.knobs["chunk_tokens"]
+        forced.knobs["chunk_tokens"] < air_8g.knobs["chunk_tokens"] or \
+        forced.knobs["kv_pages"] < air_8g.knobs["kv_pages"]
     assert forced.predictions["request_seconds"] >= air_8g.predictions["request_seconds"]
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from codegen.graph import PREFILL_QUERY_VECTORS, prefill_attention_rows
 from codegen.lower.attention_decode import _word_format
 from codegen.lower.cuda import SIMULATOR, aligned16, cuda, launch_kernel, load4
 from codegen.lower.kv_pages import QUANT_BLOCK, QUANTIZED, host_arrays, kv_types, page_locator
@@ -39,7 +40,7 @@ THREADS = 32 if SIMULATOR else 128     # a block's threads: 4 warps (the simulat
 #                                         thread, takes one: the same sums, in the same order)
 LANES = 32
 TILE = 32                   # positions a K/V tile (= lanes: one lane stages one position's K row)
-QUERY_GROUP = 32            # a block's query vectors are padded to a multiple of this
+QUERY_GROUP = PREFILL_QUERY_VECTORS     # a block's query vectors are padded to a multiple of this
 CHUNK_WORDS = 4             # a lane's load of a K or V row: 16 bytes (`load4`)
 SHARED_BYTES = 48 * 1024    # static shared memory a block may use
 ALIGN = None if SIMULATOR else 16     # shared tiles read as float4 (the simulator takes no alignment)
@@ -79,7 +80,7 @@ class _Cut:
 
 
 def cut(group: int, dk: int, dv: int) -> _Cut:
-    rows = max(1, QUERY_GROUP // group)
+    rows = prefill_attention_rows(group)
     queries = -(-rows * group // QUERY_GROUP) * QUERY_GROUP
     shape = _Cut(group, dk, dv, rows, queries)
     if THREADS % shape.query_groups or shape.positions < 1 or dv % (THREADS // shape.query_groups) \

@@ -39,13 +39,14 @@ from typing import NamedTuple
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
+from codegen.graph import EXPERT_TILE_ROWS
 from codegen.lower.cuda import SIMULATOR, cuda, launch_kernel
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
                                   check, check_aligned, decode_core, prefill_core, silu, window_rows, words)
 from codegen.lower.word_formats import FORMATS
 
 GROUP_THREADS = 1024    # at most, for make_moe_groups: a block's threads, each a run of consecutive pairs
-PREFILL_BM = 64         # pair rows of a prefill expert tile (an expert gets rows * k / n_expert on average)
+PREFILL_BM = EXPERT_TILE_ROWS      # pair rows of a prefill expert tile (an expert gets rows * k / n_expert on average)
 X_TILE = (2, BK, PREFILL_BM + PAD)
 
 

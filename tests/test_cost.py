@@ -1,0 +1,69 @@
+"""The cost model's pieces that are not a roofline: expert tile padding, and prefill's reads of host K/V."""
+
+import numpy as np
+import pytest
+
+from codegen.cost import expected_tile_rows_per_pair, measured_tile_rows_per_pair, pass_cost
+from codegen.graph import EXPERT_TILE_ROWS, build_pass, prefill_attention_rows, representative_layers
+from planner.kv import parse_kv_type
+from planner.model import load_model
+from planner.predict import DeviceCost, DeviceShare
+from planner.profile import load_profile
+from planner.workload import Workload
+
+KV = parse_kv_type("f16")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load_model("qwen3-30b-a3b-q8_0")
+
+
+def test_measured_tile_rows_count_each_experts_last_tile_whole():
+    """65 pairs of expert 0 take two 64-row tiles, 1 pair of expert 2 one: 192 rows for 66 pairs."""
+    ids = np.array([[0]] * 65 + [[2]], np.int32)
+    assert measured_tile_rows_per_pair(ids, 4) == 3 * EXPERT_TILE_ROWS / 66
+
+
+@pytest.mark.parametrize("tokens", [64, 512, 2048, 8192])
+def test_expected_tile_rows_match_routed_chunks(rng, tokens):
+    """The padding a popularity implies against chunks drawn from it (k distinct experts a row, skewed),
+    within 3%."""
+    n_expert, k = 64, 4
+    log_popularity = rng.standard_normal(n_expert)
+
+    def chunk(rows):
+        keys = log_popularity + rng.gumbel(size=(rows, n_expert))
+        return np.argsort(-keys, axis=1)[:, :k]
+    popularity = np.bincount(chunk(100_000).reshape(-1), minlength=n_expert) / 100_000
+    measured = np.mean([measured_tile_rows_per_pair(chunk(tokens), n_expert) for _ in range(10)])
+    expected = expected_tile_rows_per_pair(popularity[None], tokens)[0]
+    assert expected == pytest.approx(measured, rel=0.03)
+    assert expected >= 1.0
+
+
+def test_prefill_attention_reads_host_kv_once_a_query_slice(qwen):
+    """A prefill chunk's attention node says how often a host-held position crosses the link: once per block
+    of `prefill_attention_rows` rows (Qwen3-30B: 8 query heads a kv head, 4 rows a block)."""
+    graph = build_pass(qwen, "prefill", 512, KV, layers=representative_layers(qwen.hparams))
+    rows = prefill_attention_rows(qwen.hparams.n_head // qwen.hparams.n_head_kv)
+    assert rows == 4
+    attention = [node for _, node in graph.nodes(data=True) if node["op"] == "attention"]
+    assert attention and all(node["kv_reads"] == 512 // rows for node in attention)
+
+
+def test_a_chunk_reading_host_kv_is_slower_by_its_rereads_over_the_link(qwen):
+    """The same chunk at the same context, its older positions in the K/V ring or only in the host copy: the
+    difference is those positions' K/V bytes, once per query slice, at the zero-copy bandwidth."""
+    gpu = load_profile("h200-141g").gpus[0]
+    share = DeviceShare(0, gpu, tuple(range(qwen.hparams.n_trunk)), True, True)
+    device = DeviceCost(qwen, share, KV, Workload(prompts=((4096, 1.0),), decode_tokens=8), mtp=False)
+    n_cache = qwen.hparams.n_expert * len(device.moe_blocks)
+    streaming = device.chunk_streaming(512, n_cache, 2)
+    context, start = 4096, 4096 - 512
+    resident = device.chunk_s(512, context, 2, context, streaming)
+    from_host = device.chunk_s(512, context, 2, 0, streaming)
+    cost = pass_cost(device.graph("prefill", 512), gpu, qwen, share.blocks)
+    attention_gap = cost.attention_s(context, context) - cost.attention_s(context, 512)
+    host_read_s = start * cost.kv_bytes_per_token * 512 / prefill_attention_rows(8) / gpu.zero_copy_read_bytes_per_s
+    assert float(from_host - resident) == pytest.approx(host_read_s - float(attention_gap), rel=1e-6)
