@@ -171,15 +171,20 @@ def expected_tile_rows_per_pair(popularity: np.ndarray, tokens: int) -> np.ndarr
     """[block]: the rows prefill's expert tiles compute per pair when `tokens` rows route by `popularity`
     ([block, expert]: the chance a row picks each expert, a row summing to k). Expert e's pairs N ~ Poisson(tokens
     x p_e) take ceil(N / B) tiles of B rows, and E[ceil(N / B)] = the sum over j >= 0 of P(N > jB): P(N > 0)
-    exactly, the rest by the normal approximation (continuity-corrected)."""
-    lam = np.asarray(popularity, np.float64) * tokens
-    tiles = 1.0 - np.exp(-lam)
+    exactly, the rest by the normal approximation (continuity-corrected), 1 below 8 sigma under the mean and
+    summed over the window within 8 sigma of it. Blocks that share one popularity (no per-block trace) are
+    computed once."""
+    popularity = np.asarray(popularity, np.float64)
+    if len(popularity) > 1 and (popularity == popularity[:1]).all():
+        return np.repeat(expected_tile_rows_per_pair(popularity[:1], tokens), len(popularity))
+    lam = popularity * tokens
     sigma = np.sqrt(np.maximum(lam, 1e-12))
-    reach = int(np.ceil((lam.max(initial=0.0) + 8 * sigma.max(initial=0.0)) / EXPERT_TILE_ROWS)) + 1
-    for j in range(1, reach + 1):
-        tiles += _upper_tail((j * EXPERT_TILE_ROWS + 0.5 - lam) / sigma)
-    pairs = lam.sum(axis=-1)
-    return tiles.sum(axis=-1) * EXPERT_TILE_ROWS / np.maximum(pairs, 1e-12)
+    first = np.maximum(1, np.floor((lam - 8 * sigma) / EXPERT_TILE_ROWS)).astype(np.int64)    # P(N > jB) ~ 1 below
+    window = int(np.ceil(16 * sigma.max(initial=0.0) / EXPERT_TILE_ROWS)) + 2
+    tiles = 1.0 - np.exp(-lam) + (first - 1)
+    for i in range(window):
+        tiles += _upper_tail(((first + i) * EXPERT_TILE_ROWS + 0.5 - lam) / sigma)
+    return tiles.sum(axis=-1) * EXPERT_TILE_ROWS / np.maximum(lam.sum(axis=-1), 1e-12)
 
 
 def _upper_tail(z: np.ndarray) -> np.ndarray:
