@@ -31,7 +31,9 @@ ATTENTION_OPS = ("attention", "attention_combine")
 
 
 def kernel_family(node: dict, decode: bool) -> str:
-    """The `planner.profile.Kernels` field that prices a node: its kind's, in the decode or the prefill family."""
+    """The `planner.profile.Kernels` field that prices a node: its kind's, in the decode or the prefill family
+    (the pass's, or the node's own `family`)."""
+    decode = decode or node.get("family") == "decode"
     kind = ("experts" if "expert_layer" in node else "matmul" if node["op"] in MATMUL_OPS
             else "attention" if node["op"] in ATTENTION_OPS else "grouping" if node["op"] == "moe_groups"
             else "small")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from codegen.cost import expected_tile_rows_per_pair, measured_tile_rows_per_pair, pass_cost
+from codegen.cost import expected_tile_rows_per_pair, kernel_family, measured_tile_rows_per_pair, pass_cost
 from codegen.graph import EXPERT_TILE_ROWS, build_pass, prefill_attention_rows, representative_layers
 from planner.kv import parse_kv_type
 from planner.model import load_model
@@ -67,3 +67,13 @@ def test_a_chunk_reading_host_kv_is_slower_by_its_rereads_over_the_link(qwen):
     attention_gap = cost.attention_s(context, context) - cost.attention_s(context, 512)
     host_read_s = start * cost.kv_bytes_per_token * 512 / prefill_attention_rows(8) / gpu.zero_copy_read_bytes_per_s
     assert float(from_host - resident) == pytest.approx(host_read_s - float(attention_gap), rel=1e-6)
+
+
+def test_prefills_output_head_row_is_a_decode_family_node(qwen):
+    """A prefill chunk's one head row goes through the decode family's GEMV (it reads the weights once; the
+    prefill tiles would compute 128 rows): priced as decode_matmul, every other matmul as prefill_matmul."""
+    graph = build_pass(qwen, "prefill", 64, KV, layers=representative_layers(qwen.hparams))
+    families = {name: kernel_family(node, False) for name, node in graph.nodes(data=True) if node["op"] == "matmul"}
+    assert families.pop("logits") == "decode_matmul"
+    assert graph.nodes["logits"]["shape"] == (1, qwen.hparams.n_vocab)
+    assert families and set(families.values()) == {"prefill_matmul"}

@@ -161,7 +161,7 @@ class _Lowering:
             w = self.weight(weights[0])
             has_bias = len(weights) > 1
             bias = self.vector(weights[1]) if has_bias else self.f32_placeholder
-            launch = matmul.make_matmul(family, w.ggml_type, w.shape[-1], w.shape[-2], has_bias)
+            launch = matmul.make_matmul(node.get("family", family), w.ggml_type, w.shape[-1], w.shape[-2], has_bias)
             return Step(name, launch, (inputs[0], w, bias, out))
         if op == "swiglu_matmul":
             gate, up = self.weight(weights[0]), self.weight(weights[1])
