@@ -7,8 +7,9 @@ it. The activation arena is the one the planner sized: every block's tensors sit
 block's offsets (`codegen.memory.full_pass_offsets`).
 
 A step and a tensor's view are made when first asked for: a new program's first run binds each step just
-before it is launched, so the binding (Python: ~10 ms for a 6-block prefill, mostly numba making device array
-views) overlaps the GPU running the steps launched before it instead of delaying a prompt's first kernel.
+before it is launched, so the binding (Python: 10-20 ms for a 6-block prefill on the H200's host, mostly numba
+making device array views) overlaps the GPU running the steps launched before it instead of delaying a prompt's
+first kernel.
 """
 
 from collections.abc import Mapping, Sequence
