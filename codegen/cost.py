@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
-from codegen.graph import EXPERT_TILE_ROWS, representative_of
+from codegen.graph import EXPERT_TILE_ROWS, expert_tiles, representative_of
 from planner.architecture import tensor_layer
 from planner.profile import GPU, KernelFit
 
@@ -165,8 +165,7 @@ def node_roofline_s(graph: nx.DiGraph, name: str, gpu: GPU, model, context_token
 
 def measured_tile_rows_per_pair(ids: np.ndarray, n_expert: int) -> float:
     """The rows prefill's expert tiles compute per pair for a chunk routed to ids (rows, k)."""
-    pairs = np.bincount(np.asarray(ids).reshape(-1), minlength=n_expert)
-    return float(np.sum(-(-pairs // EXPERT_TILE_ROWS)) * EXPERT_TILE_ROWS / max(1, pairs.sum()))
+    return float(expert_tiles(ids, n_expert).sum() * EXPERT_TILE_ROWS / max(1, np.asarray(ids).size))
 
 
 def expected_tile_rows_per_pair(popularity: np.ndarray, tokens: int) -> np.ndarray:

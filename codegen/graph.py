@@ -22,6 +22,7 @@ vocab x chunk x 4 bytes (5 GB at 8K tokens), a classic OOM.
 """
 
 import networkx as nx
+import numpy as np
 
 from planner.architecture import HParams
 from planner.kv import KVType, row_bytes
@@ -32,6 +33,12 @@ EXPERT_TILE_ROWS = 64   # pair rows of a prefill expert tile (an expert's last o
 PREFILL_QUERY_VECTORS = 32  # a prefill attention block's query vectors (rows x query heads), padded to a multiple
 ACTIVATION_BYTES = 4    # float32 activations
 INDEX_BYTES = 4         # int32 token and expert ids
+
+
+def expert_tiles(ids, n_expert: int) -> np.ndarray:
+    """[expert]: the EXPERT_TILE_ROWS-row tiles each expert's pairs make in a prefill chunk routed to ids
+    (rows, k): ceil(pairs / EXPERT_TILE_ROWS)."""
+    return -(-np.bincount(np.asarray(ids).reshape(-1), minlength=n_expert) // EXPERT_TILE_ROWS)
 
 
 def prefill_attention_rows(group: int) -> int:

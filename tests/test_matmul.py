@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.graph import moe_groups_length
+from codegen.graph import EXPERT_TILE_ROWS, moe_groups_length
 from codegen.lower import MAX_WINDOW, matmul, moe, weights
 from codegen.lower.cuda import cuda, mapped_filled
 from codegen.lower.word_formats import FORMATS
@@ -403,13 +403,13 @@ def test_moe_prefill_over_expert_ranges_for_any_chunk(rng):
 
 
 def test_range_tiles_counts_the_tiles_the_routing_makes(rng):
-    """Each range's tiles are the sum over its experts of ceil(pairs / PREFILL_BM) (brute force over a random
-    routing, ranges of 0 to 5 experts)."""
+    """Each range's tiles are the sum over its experts of ceil(pairs / EXPERT_TILE_ROWS) (brute force over a
+    random routing, ranges of 0 to 5 experts)."""
     n_expert, rows, k = 16, 300, 4
     ids = top_ids(rng, rows, n_expert, k)
     edges = [0, 0, 1, 5, 5, 7, 12, 16]
     pairs = np.bincount(ids.reshape(-1), minlength=n_expert)
-    expected = [sum(-(-pairs[e] // moe.PREFILL_BM) for e in range(a, b)) for a, b in zip(edges, edges[1:])]
+    expected = [sum(-(-pairs[e] // EXPERT_TILE_ROWS) for e in range(a, b)) for a, b in zip(edges, edges[1:])]
     assert moe.range_tiles(ids, n_expert, edges) == expected
     assert expected[0] == 0 and expected[2] >= 4
 

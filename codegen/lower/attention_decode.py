@@ -38,9 +38,9 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import MAX_WINDOW
-from codegen.lower.cuda import (SIMULATOR, WARP_MAX_VALUES, aligned16, cuda, f16x2_to_f32, launch_kernel, load4,
+from codegen.lower.cuda import (SIMULATOR, WARP_MAX_VALUES, cuda, f16x2_to_f32, launch_kernel, load4,
                                 syncwarp, warp_max, warp_sum)
-from codegen.lower.kv_pages import QUANT_BLOCK, QUANTIZED, host_arrays, kv_types, page_locator
+from codegen.lower.kv_pages import QUANT_BLOCK, QUANTIZED, aligned_kernel_arrays, kv_types, page_locator
 from codegen.lower.word_formats import FORMATS
 from planner.errors import StratumError
 
@@ -367,9 +367,6 @@ def make_decode_attention(kv_type_name, n_head: int, n_head_kv: int, head_dim_k:
             raise ValueError(f"a decode window holds at most {MAX_WINDOW} rows, got {rows}")
         if not rows:
             return
-        arrays = (*pages.arrays(), *host_arrays(pages, host_pages))
-        if not all(aligned16(a) for a in arrays[0::2]):
-            raise ValueError("decode attention reads K rows 16 bytes a load: a K/V data array starts or steps "
-                             "at an address that is not a multiple of 16 bytes")
+        arrays = aligned_kernel_arrays(pages, host_pages, "decode attention")
         launch_kernel(kernel, blocks, threads, stream, q, positions, page_table, *arrays, partials)
     return launch

@@ -32,8 +32,8 @@ import numpy as np
 
 from codegen.graph import PREFILL_QUERY_VECTORS, prefill_attention_rows
 from codegen.lower.attention_decode import _word_format
-from codegen.lower.cuda import SIMULATOR, aligned16, cuda, launch_kernel, load4
-from codegen.lower.kv_pages import QUANT_BLOCK, QUANTIZED, host_arrays, kv_types, page_locator
+from codegen.lower.cuda import SIMULATOR, cuda, launch_kernel, load4
+from codegen.lower.kv_pages import QUANT_BLOCK, QUANTIZED, aligned_kernel_arrays, kv_types, page_locator
 from planner.errors import StratumError
 
 THREADS = 32 if SIMULATOR else 128     # a block's threads: 4 warps (the simulator, which runs each as a Python
@@ -310,10 +310,7 @@ def make_prefill_attention(kv_type_name, n_head: int, n_head_kv: int, head_dim_k
         rows = q.shape[0]
         if not rows:
             return
-        arrays = (*pages.arrays(), *host_arrays(pages, host_pages))
-        if not all(aligned16(a) for a in arrays[0::2]):
-            raise ValueError("prefill attention reads K/V rows 16 bytes a load: a K/V data array starts or steps "
-                             "at an address that is not a multiple of 16 bytes")
+        arrays = aligned_kernel_arrays(pages, host_pages, "prefill attention")
         launch_kernel(kernel, -(-rows // shape.slice_rows) * n_head_kv, THREADS, stream, q, positions, page_table,
                       *arrays, out)
     return launch

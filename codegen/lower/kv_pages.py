@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import bits_to_f32, cuda, f32_to_bits, launch_kernel, mapped_device_view, roundf
+from codegen.lower.cuda import aligned16, bits_to_f32, cuda, f32_to_bits, launch_kernel, mapped_device_view, roundf
 from codegen.lower.weights import placeholder_scales
 from planner.errors import StratumError
 from planner.kv import KVType, parse_kv_type, row_bytes
@@ -152,6 +152,16 @@ def page_locator(page_tokens: int):
             return slot, False, key - page * page_tokens
         return page, True, key - page * page_tokens
     return locate
+
+
+def aligned_kernel_arrays(pages: KVPages, host_pages: KVPages | None, reader: str) -> tuple:
+    """The pages' arrays, then their host copy's (`host_arrays`), as an attention kernel takes them; refused
+    unless every data array starts and steps at a multiple of 16 bytes (the kernels read rows 16 bytes a load)."""
+    arrays = (*pages.arrays(), *host_arrays(pages, host_pages))
+    if not all(aligned16(a) for a in arrays[0::2]):
+        raise ValueError(f"{reader} reads K/V rows 16 bytes a load: a K/V data array starts or steps at an address "
+                         "that is not a multiple of 16 bytes")
+    return arrays
 
 
 def host_arrays(pages: KVPages, host_pages: KVPages | None) -> tuple:

@@ -39,15 +39,14 @@ from typing import NamedTuple
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.graph import EXPERT_TILE_ROWS
+from codegen.graph import EXPERT_TILE_ROWS, expert_tiles
 from codegen.lower.cuda import SIMULATOR, cuda, launch_kernel
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
                                   check, check_aligned, decode_core, prefill_core, silu, window_rows, words)
 from codegen.lower.word_formats import FORMATS
 
 GROUP_THREADS = 1024    # at most, for make_moe_groups: a block's threads, each a run of consecutive pairs
-PREFILL_BM = EXPERT_TILE_ROWS      # pair rows of a prefill expert tile (an expert gets rows * k / n_expert on average)
-X_TILE = (2, BK, PREFILL_BM + PAD)
+X_TILE = (2, BK, EXPERT_TILE_ROWS + PAD)
 
 
 class ExpertStrides(NamedTuple):
@@ -347,7 +346,7 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
     gate/up (down False): x rows pair // k, tile rows 0..63 gate and 64..127 up for the same 64 columns; out
       (act) row pair = silu(gate) * up.
     down (b unused): x (act) rows pair; out (terms) row pair = the dot."""
-    bm = PREFILL_BM
+    bm = EXPERT_TILE_ROWS
     tile = prefill_core(ggml_type, n_in, bm)
     tm = bm // 16
     cols = BN if down else BN // 2
@@ -432,19 +431,18 @@ def make_moe_combine(n_out: int, k: int):
 
 def range_tiles(ids: np.ndarray, n_expert: int, edges) -> list:
     """The tiles of each expert range [edges[i], edges[i + 1]) for a chunk routed to ids (rows, k): the sum
-    over its experts of ceil(pairs / PREFILL_BM), what the kernels would find in the groups buffer, counted on
-    the host (a prefill launch given them has grids of exactly that many tiles)."""
-    tiles_of = -(-np.bincount(np.asarray(ids).reshape(-1), minlength=n_expert) // PREFILL_BM)
-    cumulative = np.concatenate([[0], np.cumsum(tiles_of)])
+    over its experts of `expert_tiles`, what the kernels would find in the groups buffer, counted on the host (a
+    prefill launch given them has grids of exactly that many tiles)."""
+    cumulative = np.concatenate([[0], np.cumsum(expert_tiles(ids, n_expert))])
     return [int(cumulative[b] - cumulative[a]) for a, b in zip(edges, edges[1:])]
 
 
 def _max_tiles(rows: int, k: int, n_range: int) -> int:
-    """Tiles the pairs of n_range experts can make at most: the sum over them of ceil(pairs / PREFILL_BM) is
-    at most floor(P / PREFILL_BM) + the experts with pairs, where rows give P <= rows * min(k, n_range) such
-    pairs (top-k's experts are distinct)."""
+    """Tiles the pairs of n_range experts can make at most: the sum over them of ceil(pairs / EXPERT_TILE_ROWS)
+    is at most floor(P / EXPERT_TILE_ROWS) + the experts with pairs, where rows give P <= rows * min(k, n_range)
+    such pairs (top-k's experts are distinct)."""
     n_pairs = rows * min(k, n_range)
-    return n_pairs // PREFILL_BM + min(n_range, n_pairs)
+    return n_pairs // EXPERT_TILE_ROWS + min(n_range, n_pairs)
 
 
 def _range(family: str, n_expert: int, lo, hi, tiles=None) -> tuple:
