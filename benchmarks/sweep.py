@@ -50,6 +50,7 @@ def profile(folder: Path, vram_kib: int) -> Path:
 gpus:
   - name: sweep GPU
     vram: {vram_kib} KiB
+    sms: 132
     reserved: 64 KiB
     memory_bandwidth: 4000 GB/s
     fp32: 50 TFLOPS

@@ -2,6 +2,11 @@
 bytes / bandwidth), over its family's efficiency (`planner.profile.Kernels`, measured by `stratum profile
 --detect`; an uncalibrated profile prices the plain roofline).
 
+Prefill's matmuls and routed experts (the tiled families) are priced by their tiles (`tiled_s`): each SM runs
+ceil(tiles / SMs) of them, so a node of fewer tiles than SMs takes one tile's time whatever its rows and a
+node's time steps at each wave. On the H200, Qwen3-30B's k, v and router projections take one tile's k loop
+(175-182 us) at 512 and at 2048 rows, which no roofline of useful FLOPs can price (BENCHMARKS.md, run 12).
+
 Activations are float32 and the kernels run on CUDA cores, so the FP32 peak is the compute roof. The graph
 may hold one representative block per kind (`graph.representative_layers`); each representative stands for
 every block of its kind that the device runs, with that block's own weight bytes, so the cost is exact
@@ -22,9 +27,10 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
-from codegen.graph import EXPERT_TILE_ROWS, expert_tiles, representative_of
+from codegen.graph import (EXPERT_TILE_ROWS, TILE_WEIGHT_ROWS, TILED_OPS, Tiling, expert_tiles, prefill_tiling,
+                           representative_of)
 from planner.architecture import tensor_layer
-from planner.profile import GPU, KernelFit
+from planner.profile import GPU, TILED_FAMILIES, KernelFit
 
 MATMUL_OPS = ("matmul", "swiglu_matmul")
 ATTENTION_OPS = ("attention", "attention_combine")
@@ -48,44 +54,108 @@ def fitted_s(fit: KernelFit, roofline_s):
     return fit.latency_s + roofline_s / fit.efficiency
 
 
+def is_tiled(node: dict, decode: bool) -> bool:
+    return kernel_family(node, decode) in TILED_FAMILIES and node["op"] in TILED_OPS
+
+
+def tile_terms(gpu: GPU, tiling: Tiling, tiles):
+    """(waves, one tile's FLOPs at an SM's share of the FP32 peak, the weight elements it dequantizes) for a
+    node of `tiles` tiles (an array): what `tiled_s` prices and `runtime.calibrate` fits."""
+    waves = np.ceil(np.asarray(tiles, dtype=np.float64) / gpu.sms)
+    return waves, tiling.tile_flops * gpu.sms / gpu.fp32_flops, TILE_WEIGHT_ROWS * tiling.n_in
+
+
+def tiled_sm_s(fit: KernelFit, waves, peak_s, weight_elements):
+    """The busiest SM's time over its `waves` tiles (`tile_terms`): the first at its full time, each further
+    one at `fit.further_tile` of it (tiles on an SM overlap)."""
+    tile_s = peak_s / fit.efficiency + weight_elements * fit.weight_element_s
+    return np.where(waves > 0, tile_s * (1.0 + fit.further_tile * (waves - 1.0)), 0.0)
+
+
+def tiled_s(fit: KernelFit, gpu: GPU, tiling: Tiling, tiles, moved_bytes):
+    """Seconds of a tiled-family node of `tiles` tiles moving `moved_bytes`: its busiest SM's tiles, or its
+    bytes at the read bandwidth where those take longer, plus the family's latency."""
+    sm_s = tiled_sm_s(fit, *tile_terms(gpu, tiling, tiles))
+    return fit.latency_s + np.maximum(sm_s, moved_bytes / gpu.memory_bandwidth_bytes_per_s)
+
+
 @dataclass
 class PassCost:
-    fixed_s: float = 0.0              # every node but attention and routed experts
+    gpu: GPU
+    tokens: int                       # the graph's rows; `dense_s` and the rest price any rows up to them
+    fixed_s: float = 0.0              # every node but attention, routed experts and tiled matmuls
     attention: list = field(default_factory=list)   # (flops, flops per context token, bytes, K/V bytes per
     #                                                    resident context token, blocks it stands for, its fit)
+    tiled: list = field(default_factory=list)       # prefill's dense matmuls: (tiling, activation bytes, weight
+    #                                                 bytes [a block it stands for], index of the representative
+    #                                                 MoE block among them or None, its fit)
     block_fixed_s: float = 0.0        # one MoE block's fixed part (attention excluded): the ring's prefetch window
-    experts: list = field(default_factory=list)     # one MoE block's routed-expert nodes: (flops, bytes, fit)
+    experts: list = field(default_factory=list)     # one MoE block's routed-expert nodes: (flops, bytes, fit,
+    #                                                 tiling: prefill's, None for decode's; pairs)
     expert_efficiency: float = 1.0    # the expert kernels' fit: the planner divides their weight reads by it
     kv_bytes_per_token: int = 0       # K/V bytes one context position adds, over all the pass's blocks
     host_kv_reads: int = 1            # how often attention reads a position held only in the host copy
     n_nodes: int = 0                  # kernel launches the pass replays
-    peak_flops: float = 1.0
-    bandwidth: float = 1.0
+    _tiled_memo: dict = field(default_factory=dict, repr=False)
 
-    def expert_compute_s(self, tile_rows_per_pair=1.0):
-        """One MoE block's expert arithmetic and activations (weights excluded), its FLOPs times
-        `tile_rows_per_pair` (prefill's tiles; 1 for decode's kernels, which compute only their pairs)."""
-        return sum(fitted_s(fit, np.maximum(flops * np.asarray(tile_rows_per_pair) / self.peak_flops,
-                                            moved / self.bandwidth)) for flops, moved, fit in self.experts)
+    def expert_compute_s(self, tile_rows_per_pair=1.0, tokens=None):
+        """One MoE block's expert arithmetic and activations (weights excluded) for `tokens` rows (default the
+        graph's): prefill's by their tiles, ceil(pairs / EXPERT_TILE_ROWS) an expert, `tile_rows_per_pair`
+        rows computed a pair; decode's by their FLOPs, which compute only their pairs."""
+        scale = (tokens or self.tokens) / self.tokens
+        total = 0.0
+        for flops, moved, fit, tiling, pairs in self.experts:
+            if tiling is None:
+                total = total + fitted_s(fit, np.maximum(scale * flops / self.gpu.fp32_flops,
+                                                         scale * moved / self.gpu.memory_bandwidth_bytes_per_s))
+            else:
+                tiles = expert_node_tiles(tiling, scale * pairs, tile_rows_per_pair)
+                total = total + tiled_s(fit, self.gpu, tiling, tiles, scale * moved)
+        return total
 
-    def attention_s(self, context_tokens, resident_tokens, per_block: bool = False):
+    def attention_s(self, context_tokens, resident_tokens, per_block: bool = False, tokens=None):
+        scale = (tokens or self.tokens) / self.tokens
+        peak, bandwidth = self.gpu.fp32_flops, self.gpu.memory_bandwidth_bytes_per_s
         total = 0.0
         for flops, flops_per_token, moved, kv_per_token, blocks, fit in self.attention:
-            seconds = fitted_s(fit, np.maximum((flops + flops_per_token * context_tokens) / self.peak_flops,
-                                               (moved + kv_per_token * resident_tokens) / self.bandwidth))
+            seconds = fitted_s(fit, np.maximum(scale * (flops + flops_per_token * context_tokens) / peak,
+                                               (scale * moved + kv_per_token * resident_tokens) / bandwidth))
             if per_block:
                 return seconds
             total = total + blocks * seconds
         return total
 
-    def dense_s(self, context_tokens, resident_tokens):
-        """Everything but the routed experts, with `resident_tokens` of the context's K/V read from VRAM."""
-        return self.fixed_s + self.attention_s(context_tokens, resident_tokens)
+    def tiled_matmuls_s(self, tokens, per_block: bool = False):
+        """Prefill's dense matmuls over `tokens` rows, by their tiles (their waves do not scale with the rows)."""
+        key = (tokens, per_block)
+        if key not in self._tiled_memo:         # the solver prices a chunk size thousands of times
+            self._tiled_memo[key] = self._tiled_matmuls_s(tokens, per_block)
+        return self._tiled_memo[key]
 
-    def block_s(self, context_tokens, resident_tokens):
+    def _tiled_matmuls_s(self, tokens, per_block: bool):
+        total = 0.0
+        for tiling, activations, weights, block_index, fit in self.tiled:
+            tiles = -(-tokens // tiling.tile_rows) * tiling.col_tiles
+            seconds = tiled_s(fit, self.gpu, tiling, tiles, activations * tokens / self.tokens + weights)
+            if per_block:
+                total += float(seconds[block_index]) if block_index is not None else 0.0
+            else:
+                total += float(seconds.sum())
+        return total
+
+    def dense_s(self, context_tokens, resident_tokens, tokens=None):
+        """Everything but the routed experts over `tokens` rows (default the graph's; fewer are priced as the
+        graph's share, tiled matmuls by their tiles), with `resident_tokens` of the context's K/V read from VRAM."""
+        scale = (tokens or self.tokens) / self.tokens
+        return (scale * self.fixed_s + self.attention_s(context_tokens, resident_tokens, tokens=tokens)
+                + self.tiled_matmuls_s(tokens or self.tokens))
+
+    def block_s(self, context_tokens, resident_tokens, tokens=None):
         """One MoE block's dense part: the time the prefill ring's copy engine idles in each streaming block (its
         experts are known only once its router has run)."""
-        return self.block_fixed_s + self.attention_s(context_tokens, resident_tokens, per_block=True)
+        scale = (tokens or self.tokens) / self.tokens
+        return (scale * self.block_fixed_s + self.tiled_matmuls_s(tokens or self.tokens, per_block=True)
+                + self.attention_s(context_tokens, resident_tokens, per_block=True, tokens=tokens))
 
 
 def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = (True, True)) -> PassCost:
@@ -97,7 +167,7 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
     represented = {}            # representative block -> the blocks it stands for
     for block in blocks:
         represented.setdefault(representative_of(hp, block), []).append(block)
-    cost = PassCost(peak_flops=gpu.fp32_flops, bandwidth=gpu.memory_bandwidth_bytes_per_s)
+    cost = PassCost(gpu=gpu, tokens=graph.graph["tokens"])
     decode = graph.graph["kind"] != "prefill"
     cost.expert_efficiency = (gpu.kernels.decode_experts if decode else gpu.kernels.prefill_experts).efficiency
     for name, node in graph.nodes(data=True):
@@ -122,17 +192,22 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
             cost.host_kv_reads = node.get("kv_reads", 1)
             continue
         moved = activations + node.get("kv_write", 0)
+        tiling = prefill_tiling(node) if is_tiled(node, decode) else None
         if "expert_layer" in node:
-            cost.experts.append((node["flops"], moved, fit))
+            cost.experts.append((node["flops"], moved, fit, tiling, node["shape"][0]))
             continue
         if stands_for == [None]:
             weights = np.array([node["weight_bytes"]], dtype=np.float64)
         else:
             weights = model.block_weight_bytes(tuple(node["weights"]), rep, tuple(stands_for))
+        in_moe_block = rep is not None and rep in stands_for and hp.is_moe_layer(rep)
+        if tiling is not None:
+            cost.tiled.append((tiling, moved, weights, stands_for.index(rep) if in_moe_block else None, fit))
+            continue
         seconds = fitted_s(fit, np.maximum(node["flops"] / gpu.fp32_flops,
                                            (moved + weights) / gpu.memory_bandwidth_bytes_per_s))
         cost.fixed_s += float(seconds.sum())
-        if rep is not None and rep in stands_for and hp.is_moe_layer(rep):
+        if in_moe_block:
             cost.block_fixed_s += float(seconds[stands_for.index(rep)])
     return cost
 
@@ -161,6 +236,25 @@ def node_roofline_s(graph: nx.DiGraph, name: str, gpu: GPU, model, context_token
     else:
         moved += node["weight_bytes"]
     return max(flops / gpu.fp32_flops, moved / gpu.memory_bandwidth_bytes_per_s)
+
+
+def expert_node_tiles(tiling: Tiling, pairs, tile_rows_per_pair):
+    """The tiles of a prefill routed-expert node over `pairs` (row, slot) pairs computing `tile_rows_per_pair`
+    rows a pair: its row tiles (ceil(pairs / EXPERT_TILE_ROWS) an expert) times its column tiles."""
+    return np.asarray(tile_rows_per_pair) * pairs / EXPERT_TILE_ROWS * tiling.col_tiles
+
+
+def node_tiles(graph: nx.DiGraph, name: str, tile_rows_per_pair: float = 1.0):
+    """(tiling, tiles) of a prefill tiled-family node of a pass graph (a routed-expert node's tiles from
+    `tile_rows_per_pair`, its routing's), None for any other node."""
+    node = graph.nodes[name]
+    if not is_tiled(node, graph.graph["kind"] != "prefill"):
+        return None
+    tiling = prefill_tiling(node)
+    rows = node["shape"][0]
+    if "expert_layer" in node:
+        return tiling, float(expert_node_tiles(tiling, rows, tile_rows_per_pair))
+    return tiling, -(-rows // tiling.tile_rows) * tiling.col_tiles
 
 
 def measured_tile_rows_per_pair(ids: np.ndarray, n_expert: int) -> float:

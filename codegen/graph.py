@@ -14,12 +14,15 @@ Every node is one op producing one tensor (the node's name is the tensor's name)
   who knows which are cached and which stream), kv_layer / kv_read (for attention: K/V bytes read per
   context token; kv_reads, prefill: how often a position read from the host copy crosses the link),
   family ("decode" on a prefill node lowered and priced as the decode family: the output head's one row),
+  n_in (matmuls: the weights' width; with the node's op and shape it gives its tiles, `prefill_tiling`),
   output (True for tensors that leave the pass).
 Edges run from the producer of a tensor to each of its consumers.
 
 Prefill computes the output head for the last position only: a full-chunk logits buffer is
 vocab x chunk x 4 bytes (5 GB at 8K tokens), a classic OOM.
 """
+
+from typing import NamedTuple
 
 import networkx as nx
 import numpy as np
@@ -30,6 +33,8 @@ from planner.kv import KVType, row_bytes
 PASS_KINDS = ("prefill", "decode", "draft")
 ATTENTION_SPLITS = 64   # tile sets a decode/draft window's attention is split into
 EXPERT_TILE_ROWS = 64   # pair rows of a prefill expert tile (an expert's last one computes all its rows: codegen.cost)
+TILE_WEIGHT_ROWS = 128  # weight rows of a prefill matmul tile (SwiGLU: 64 gate and the same 64 up)
+TILED_OPS = ("matmul", "swiglu_matmul", "moe_swiglu_matmul", "moe_down_matmul")
 PREFILL_QUERY_VECTORS = 32  # a prefill attention block's query vectors (rows x query heads), padded to a multiple
 ACTIVATION_BYTES = 4    # float32 activations
 INDEX_BYTES = 4         # int32 token and expert ids
@@ -39,6 +44,33 @@ def expert_tiles(ids, n_expert: int) -> np.ndarray:
     """[expert]: the EXPERT_TILE_ROWS-row tiles each expert's pairs make in a prefill chunk routed to ids
     (rows, k): ceil(pairs / EXPERT_TILE_ROWS)."""
     return -(-np.bincount(np.asarray(ids).reshape(-1), minlength=n_expert) // EXPERT_TILE_ROWS)
+
+
+def prefill_tile_rows(n_out: int) -> int:
+    """A dense prefill matmul tile's rows: 128 for wide weights; 64 when there are few columns, so a chunk still
+    fills the GPU."""
+    return 128 if n_out >= 4096 else 64
+
+
+class Tiling(NamedTuple):
+    """How the prefill family's kernel tiles a node (`codegen.lower.matmul`, `codegen.lower.moe`)."""
+    tile_rows: int      # activation rows (routed experts: pair rows) of a tile
+    col_tiles: int      # tiles across the outputs
+    n_in: int           # the weights' width: a tile dequantizes TILE_WEIGHT_ROWS x n_in elements
+
+    @property
+    def tile_flops(self) -> float:
+        return 2.0 * self.tile_rows * TILE_WEIGHT_ROWS * self.n_in
+
+
+def prefill_tiling(node: dict) -> Tiling:
+    """The tiles of a prefill-family matmul node (op in TILED_OPS) for any rows: ceil(rows / tile_rows) of them
+    down its rows (a routed expert's: ceil(pairs / EXPERT_TILE_ROWS) each), col_tiles across."""
+    n_out = node["shape"][1]
+    gated = node["op"] in ("swiglu_matmul", "moe_swiglu_matmul")
+    cols = TILE_WEIGHT_ROWS // 2 if gated else TILE_WEIGHT_ROWS
+    rows = EXPERT_TILE_ROWS if "expert_layer" in node else prefill_tile_rows(n_out)
+    return Tiling(rows, -(-n_out // cols), node["n_in"])
 
 
 def prefill_attention_rows(group: int) -> int:
@@ -72,7 +104,7 @@ class _Builder:
     def matmul(self, name: str, x: str, weight: str, rows: int, n_in: int, n_out: int, **attrs) -> str:
         weights = (f"{weight}.weight", f"{weight}.bias")   # the bias, where there is one, is fused
         return self.op(name, "matmul", [x], (rows, n_out), flops=2.0 * rows * n_in * n_out, weights=weights,
-                       **attrs)
+                       n_in=n_in, **attrs)
 
     def norm(self, name: str, x: str, weight: str, rows: int) -> str:
         e = self.hp.n_embd
@@ -129,7 +161,7 @@ class _Builder:
         """SwiGLU FFN; the activation is fused into the gate/up op, so only silu(gate) * up is stored."""
         e = self.hp.n_embd
         act = self.op(f"{p}ffn_gate_up{suffix}", "swiglu_matmul", [h], (rows, width), flops=4.0 * rows * e * width,
-                      weights=(f"{p}ffn_gate{suffix}.weight", f"{p}ffn_up{suffix}.weight"))
+                      weights=(f"{p}ffn_gate{suffix}.weight", f"{p}ffn_up{suffix}.weight"), n_in=e)
         return [self.matmul(f"{p}ffn_down{suffix}", act, f"{p}ffn_down{suffix}", rows, width, e)]
 
     def moe(self, layer: int, h: str, rows: int) -> list[str]:
@@ -146,11 +178,11 @@ class _Builder:
                          dtype="i32")
         act = self.op(p + "moe_gate_up", "moe_swiglu_matmul", [h, groups], (rows * k, f),
                       flops=4.0 * rows * k * e * f, weights=(p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"),
-                      expert_layer=layer)
+                      expert_layer=layer, n_in=e)
         # h is an input of down too, only to keep it live: the runtime interleaves gate/up and down batch by
         # batch as the prefill ring streams experts, so down's output must not take h's bytes while gate/up
         # still reads them
-        down = dict(flops=2.0 * rows * k * f * e, weights=(p + "ffn_down_exps.weight",), expert_layer=layer)
+        down = dict(flops=2.0 * rows * k * f * e, weights=(p + "ffn_down_exps.weight",), expert_layer=layer, n_in=f)
         if self.kind == "prefill":
             # a term row per pair, so each expert's pairs are one GEMM whatever the expert ranges the ring
             # streams; the combine adds a row's route-weighted terms in ascending expert order

@@ -137,6 +137,19 @@ class DeviceCost:
             self._memo[key] = expected_tile_rows_per_pair(self.popularity, tokens)
         return self._memo[key]
 
+    def expert_compute_s(self, kind: str, tokens: int) -> float:
+        """The routed experts' arithmetic of a `kind` pass over `tokens` rows: one MoE block's (decode, draft),
+        every MoE block's (prefill: each block's tiles at its popularity), from the graph of the next power of
+        two (prefill) or of `tokens`."""
+        key = ("expert compute", kind, tokens)
+        if key not in self._memo:
+            if kind == "prefill":
+                cost = self.cost(kind, 1 << (tokens - 1).bit_length())
+                self._memo[key] = float(np.sum(cost.expert_compute_s(self.tile_rows_per_pair(tokens), tokens)))
+            else:
+                self._memo[key] = float(self.cost(kind, tokens).expert_compute_s())
+        return self._memo[key]
+
     def window_tables(self, tokens: int):
         key = ("window", tokens)
         if key not in self._memo:
@@ -161,7 +174,8 @@ class DeviceCost:
         experts_s = ((total - miss) / g.memory_bandwidth_bytes_per_s
                      + miss / g.zero_copy_read_bytes_per_s) / cost.expert_efficiency
         streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.host_to_device_bytes_per_s
-        return (cost.dense_s(depth, resident) + streamed_kv + experts_s + len(self.moe_blocks) * cost.expert_compute_s()
+        return (cost.dense_s(depth, resident) + streamed_kv + experts_s
+                + len(self.moe_blocks) * self.expert_compute_s("decode", tokens)
                 + cost.n_nodes * g.graph_node_overhead_s + self._host_calls_s(WINDOW_HOST_CALLS))
 
     def _host_calls_s(self, calls: int) -> float:
@@ -177,14 +191,15 @@ class DeviceCost:
         drafter = self.model.drafter_expert_layers[0]
         experts_s = (self.model.hparams.n_expert_used * drafter.blob_bytes / self.gpu.memory_bandwidth_bytes_per_s
                      / cost.expert_efficiency)
-        return (cost.dense_s(span, span) + experts_s + cost.expert_compute_s()
+        return (cost.dense_s(span, span) + experts_s + self.expert_compute_s("draft", 1)
                 + cost.n_nodes * self.gpu.graph_node_overhead_s + self._host_calls_s(DRAFT_STEP_HOST_CALLS))
 
     # --- prefill ---------------------------------------------------------------------------------------
     def chunk_s(self, tokens: int, context, ring_slots, resident_tokens, streaming):
         """One prefill chunk of `tokens` positions ending at `context`, its experts' streaming priced by
         `chunk_streaming` (the same for every chunk of that size). A short (last) chunk is priced from the
-        graph of the next power of two, scaled: its arithmetic is linear in its positions."""
+        graph of the next power of two: its tiled matmuls by their tiles at its rows, the rest scaled (linear in
+        its positions)."""
         g = self.gpu
         graph_tokens = 1 << (tokens - 1).bit_length()
         cost = self.cost("prefill", graph_tokens)
@@ -195,7 +210,7 @@ class DeviceCost:
         # query slice of the chunk: time on the compute stream and on the link
         host_kv_s = ((start - np.minimum(start, resident_tokens)) * cost.kv_bytes_per_token
                      * cost.host_kv_reads * scale / g.zero_copy_read_bytes_per_s)
-        compute = scale * cost.dense_s(context, resident) + cost.n_nodes * g.graph_node_overhead_s + host_kv_s
+        compute = cost.dense_s(context, resident, tokens) + cost.n_nodes * g.graph_node_overhead_s + host_kv_s
         if not self.moe_blocks:
             return compute
         (expert_compute, touched_read_s, streamed_bytes, streamed_count, stall_per_expert, streaming_blocks,
@@ -203,7 +218,7 @@ class DeviceCost:
         fill, drain = batch_ends        # a streaming block's first batch's copy, its last batch's kernels
         compute = compute + expert_compute + touched_read_s + streaming_blocks * fill
         stream = (streamed_bytes / g.host_to_device_bytes_per_s + host_kv_s + streamed_count * stall_per_expert
-                  + streaming_blocks * (scale * cost.block_s(context, resident) + drain))
+                  + streaming_blocks * (cost.block_s(context, resident, tokens) + drain))
         return np.maximum(np.maximum(compute, stream), launch_s)
 
     def chunk_streaming(self, tokens: int, cache_slots, ring_slots):
@@ -219,7 +234,7 @@ class DeviceCost:
         miss_table, count_table, touched_bytes, touched_count = self.window_tables(tokens)
         streamed_bytes = miss_table.total(cache_slots)
         streamed_count = count_table.total(cache_slots)
-        expert_compute = tokens / graph_tokens * float(np.sum(cost.expert_compute_s(self.tile_rows_per_pair(tokens))))
+        expert_compute = self.expert_compute_s("prefill", tokens)
         per_expert_compute = expert_compute / max(touched_count, 1e-9)
         copy = self.mean_blob / g.host_to_device_bytes_per_s     # a typical expert's copy, for the ring's stalls
         slot_cycle = g.copy_latency_s + copy + per_expert_compute

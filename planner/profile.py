@@ -11,12 +11,13 @@ from pathlib import Path
 
 from planner.document import read_document
 from planner.errors import StratumError
-from planner.units import parse_bytes, parse_flops, parse_rate, parse_seconds
+from planner.units import parse_bytes, parse_count, parse_flops, parse_rate, parse_seconds
 from plans import HARDWARE_DIR
 
 # field -> (parser, default written as in the YAML, or None when required)
 _GPU_FIELDS = {
     "vram": (parse_bytes, None),
+    "sms": (parse_count, None),
     "reserved": (parse_bytes, None),
     "memory_bandwidth": (parse_rate, None),
     "fp32": (parse_flops, None),
@@ -37,9 +38,16 @@ _HOST_FIELDS = {
 @dataclass(frozen=True)
 class KernelFit:
     """How one family of this project's kernels runs on a GPU: a kernel takes latency_s plus its roofline time
-    (the larger of FLOPs / fp32 and bytes / memory_bandwidth) over efficiency. Uncalibrated: the roofline."""
+    (the larger of FLOPs / fp32 and bytes / memory_bandwidth) over efficiency. Uncalibrated: the roofline.
+
+    The tiled families (TILED_FAMILIES) are priced by their tiles instead (`codegen.cost.tiled_s`): an SM runs
+    its share of a node's tiles, one tile taking its FLOPs at the SM's share of fp32 over efficiency plus
+    weight_element_s for each weight element the tile dequantizes, each further tile on the SM costing
+    further_tile of that (co-resident tiles overlap)."""
     efficiency: float = 1.0
     latency_s: float = 0.0
+    weight_element_s: float = 0.0
+    further_tile: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class Kernels:
 
 
 KERNEL_FAMILIES = tuple(f.name for f in fields(Kernels))
+TILED_FAMILIES = ("prefill_matmul", "prefill_experts")
 
 
 def _rounded(value):
@@ -79,6 +88,7 @@ def _rounded(value):
 class GPU:
     name: str
     vram_bytes: int
+    sms: int                          # streaming multiprocessors: a wave of prefill tiles is one tile an SM
     reserved_bytes: int               # CUDA context, driver, display: never ours
     memory_bandwidth_bytes_per_s: float   # achievable device read bandwidth
     fp32_flops: float
@@ -182,7 +192,7 @@ def _parse_gpu(doc, source: str, where: str) -> GPU:
     for field in ("memory_bandwidth", "fp32", "fp16", "host_to_device", "device_to_host", "zero_copy_read"):
         if v[field] <= 0:
             raise StratumError("must be positive", source=source, field=f"{where}.{field}")
-    return GPU(name=str(doc.get("name", "GPU")), vram_bytes=v["vram"], reserved_bytes=v["reserved"],
+    return GPU(name=str(doc.get("name", "GPU")), vram_bytes=v["vram"], sms=v["sms"], reserved_bytes=v["reserved"],
                memory_bandwidth_bytes_per_s=v["memory_bandwidth"], fp32_flops=v["fp32"], fp16_flops=v["fp16"],
                host_to_device_bytes_per_s=v["host_to_device"], device_to_host_bytes_per_s=v["device_to_host"],
                zero_copy_read_bytes_per_s=v["zero_copy_read"], copy_latency_s=v["copy_latency"],
@@ -191,7 +201,8 @@ def _parse_gpu(doc, source: str, where: str) -> GPU:
 
 
 def _parse_kernels(doc, source: str, where: str) -> Kernels:
-    """`kernels: {family: {efficiency: 0.58, latency: 7 us}, ...}`; a family left out keeps the roofline."""
+    """`kernels: {family: {efficiency: 0.58, latency: 7 us}, ...}` (a tiled family may add `weight_element` and
+    `further_tile`); a family left out keeps the roofline."""
     if not isinstance(doc, dict):
         raise StratumError("expected a mapping of kernel families", source=source, field=where)
     _refuse_unknown(doc, set(KERNEL_FAMILIES), source, where + ".")
@@ -200,14 +211,23 @@ def _parse_kernels(doc, source: str, where: str) -> Kernels:
         at = f"{where}.{family}"
         if not isinstance(fit, dict):
             raise StratumError("expected a mapping with efficiency and latency", source=source, field=at)
-        _refuse_unknown(fit, {"efficiency", "latency"}, source, at + ".")
-        efficiency = fit.get("efficiency", 1.0)
-        if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
-            raise StratumError("must be a fraction of the roofline in (0, 1], such as 0.58", source=source,
-                               field=at + ".efficiency")
+        tiled = {"weight_element", "further_tile"} if family in TILED_FAMILIES else set()
+        _refuse_unknown(fit, {"efficiency", "latency"} | tiled, source, at + ".")
+        efficiency = _fraction(fit.get("efficiency", 1.0), "a fraction of the roofline in (0, 1], such as 0.58",
+                               source, at + ".efficiency")
+        further = _fraction(fit.get("further_tile", 1.0), "a fraction of a first tile's time in (0, 1], such as "
+                            "0.82", source, at + ".further_tile")
         latency = parse_seconds(fit["latency"], source=source, field=at + ".latency") if "latency" in fit else 0.0
-        fits[family] = KernelFit(float(efficiency), latency)
+        weight_element = (parse_seconds(fit["weight_element"], source=source, field=at + ".weight_element")
+                          if "weight_element" in fit else 0.0)
+        fits[family] = KernelFit(efficiency, latency, weight_element, further)
     return Kernels(**fits)
+
+
+def _fraction(value, expected: str, source: str, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise StratumError(f"must be {expected}", source=source, field=field)
+    return float(value)
 
 
 def _parse_fields(doc: dict, fields: dict, source: str, prefix: str) -> dict:

@@ -37,6 +37,13 @@ def _parse(text, units: dict, what: str, example: str, source: str | None, field
     return float(number) * units[unit]
 
 
+def parse_count(text, source=None, field=None) -> int:
+    """`132` -> 132: a count of things (a GPU's SMs), a whole positive number without a unit."""
+    if isinstance(text, bool) or not isinstance(text, int) or text <= 0:
+        raise StratumError(f"expected a whole positive number, such as 132, got {text!r}", source=source, field=field)
+    return text
+
+
 def parse_bytes(text, source=None, field=None) -> int:
     """`8 GiB` -> 8589934592. Sizes must be whole bytes."""
     value = _parse(text, _SIZE_UNITS, "size", "8 GiB", source, field)

@@ -10,23 +10,29 @@ node) is taken off each decode node, and a prompt's wall time beyond its nodes' 
 once a MoE block) is added to its routed-expert nodes. Each node's roofline is the cost model's
 (`codegen.cost.node_roofline_s` at the measured bandwidth and FP32 peak), and a family's fit is the latency and
 efficiency that give its nodes' times best (least squares on absolute error, `fit`): time = latency +
-roofline / efficiency. `prefill_ring_batch` is measured directly (`ring_batch_s`): what a block's routed
+roofline / efficiency. The tiled families (prefill's matmuls and routed experts) are fitted on their tiles
+instead (`fit_tiled`, the model of `codegen.cost.tiled_s`): the calibration's 64- and 128-row tiles, its
+matrices 512 to 4096 wide and its nodes of one to 39 waves tell a tile's FLOPs from its weights' dequantization
+and a first tile from a further one. `prefill_ring_batch` is measured directly (`ring_batch_s`): what a block's routed
 experts cost beyond their one launch when launched in the prefill ring's batches.
 """
 
+import itertools
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 
-from codegen.cost import fitted_s, kernel_family, measured_tile_rows_per_pair, node_roofline_s
+from codegen.cost import (fitted_s, kernel_family, measured_tile_rows_per_pair, node_roofline_s, node_tiles,
+                          tile_terms, tiled_sm_s)
 from codegen.lower.cuda import CapturedGraph, cuda
 from codegen.lower.moe import range_tiles
 from planner.architecture import tensor_layer
 from planner.kv_lending import needed_pages
-from planner.profile import GPU, KERNEL_FAMILIES, KernelFit, Kernels
+from planner.profile import GPU, TILED_FAMILIES, KernelFit, Kernels
 from planner.search import PAGE_TOKENS, solve
 from planner.workload import Workload
 from runtime.ceilings import time_s
@@ -38,6 +44,17 @@ SHORT_CHUNK_TOKENS = 512     # prefill nodes timed at two sizes: a fit needs two
 LONG_CONTEXT_TOKENS = 16384  # decode steps timed at two contexts, 2048 and this, for the same reason
 REPEATS = 15
 RING_BATCH_EXPERTS = 4      # experts a batch of `ring_batch_s` (half of an 8-slot ring, the bundled cards' depth)
+FURTHER_TILE_GRID = np.linspace(0.5, 1.0, 51)   # the further-tile fractions `fit_tiled` tries
+
+
+class Sample(NamedTuple):
+    """One timed node of the calibration."""
+    family: str
+    node: str
+    roofline_s: float
+    measured_s: float
+    tiles: tuple | None = None      # a tiled family's: (waves, a tile's FLOPs at an SM's peak s, its weight
+    #                                 elements), `codegen.cost.tile_terms`
 
 
 @cuda.jit
@@ -87,6 +104,73 @@ def fit(rooflines_s, times_s) -> KernelFit:
     return KernelFit(efficiency=float(1.0 / inverse), latency_s=float(max(latency, 0.0)))
 
 
+def fit_tiled(tiles, times_s, weight_element_s: float | None = None) -> KernelFit:
+    """The `codegen.cost.tiled_s` model fitted to nodes of `tiles` ((waves, a tile's FLOPs at an SM's peak s,
+    its weight elements) each) and measured `times_s`: least squares over latency >= 0, efficiency in (0, 1]
+    and weight_element_s >= 0 (or the one given: a family whose tiles are all one shape cannot tell it from
+    its efficiency), at the best further-tile fraction of FURTHER_TILE_GRID."""
+    waves, peak_s, weights = (np.asarray(column, float) for column in zip(*tiles))
+    measured = np.asarray(times_s, float)
+    best = None
+    for further in FURTHER_TILE_GRID:
+        sm_tiles = 1.0 + further * (waves - 1.0)
+        columns = [np.ones_like(measured), sm_tiles * peak_s, sm_tiles * weights]
+        lower, upper = [0.0, 1.0, 0.0], [np.inf, np.inf, np.inf]
+        if weight_element_s is not None:
+            lower[2] = upper[2] = weight_element_s
+        coef, sse = _bounded_lstsq(np.column_stack(columns), measured, lower, upper)
+        if best is None or sse < best[0]:
+            best = (sse, further, coef)
+    _, further, (latency, inverse, weight_element) = best
+    return KernelFit(efficiency=float(1.0 / inverse), latency_s=float(latency),
+                     weight_element_s=float(weight_element), further_tile=float(further))
+
+
+def _bounded_lstsq(design, measured, lower, upper):
+    """(coefficients, squared error) of least squares with each coefficient within [lower, upper]: the best
+    of every choice of coefficients held at a bound and the rest solved freely (exact for a few columns)."""
+    best = None
+    for held in itertools.product(*[[None] + sorted({lo, hi} - {np.inf}) for lo, hi in zip(lower, upper)]):
+        coef = np.array([0.0 if h is None else h for h in held])
+        free = [i for i, h in enumerate(held) if h is None]
+        if free:
+            rest = measured - design @ coef
+            norms = np.linalg.norm(design[:, free], axis=0)      # columns of seconds, 1 and elements: scaled
+            coef[free] = np.linalg.lstsq(design[:, free] / norms, rest, rcond=None)[0] / norms
+        if np.any(coef < np.asarray(lower) - 1e-15) or np.any(coef > np.asarray(upper) + 1e-15):
+            continue
+        sse = float(np.sum((design @ coef - measured) ** 2))
+        if best is None or sse < best[1]:
+            best = (coef, sse)
+    return best         # never None: every coefficient held at a finite bound is feasible
+
+
+def fit_families(samples: list) -> dict:
+    """family -> its fit, for each family the samples time: the tiled ones by `fit_tiled` (the routed experts
+    with the matmuls' weight_element_s: the same prefill core, tiles of one shape), the rest by `fit`."""
+    grouped = defaultdict(list)
+    for sample in samples:
+        grouped[sample.family].append(sample)
+    fits = {}
+    for family in sorted(grouped, key=lambda f: f != "prefill_matmul"):     # the matmuls first
+        rows = grouped[family]
+        if family in TILED_FAMILIES:
+            given = fits["prefill_matmul"].weight_element_s if family != "prefill_matmul" and \
+                "prefill_matmul" in fits else None
+            fits[family] = fit_tiled([r.tiles for r in rows], [r.measured_s for r in rows], given)
+        else:
+            fits[family] = fit([r.roofline_s for r in rows], [r.measured_s for r in rows])
+    return fits
+
+
+def sample_s(kernels: Kernels, sample: Sample) -> float:
+    """What the fitted `kernels` price a sample at."""
+    family = getattr(kernels, sample.family)
+    if sample.tiles is not None:
+        return family.latency_s + float(tiled_sm_s(family, *sample.tiles))
+    return float(fitted_s(family, sample.roofline_s))
+
+
 def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
     """Kernels fitted on this GPU, and the samples behind them: (family, node, roofline s, measured s).
     `profile_path` is a profile of this machine with its measured figures (used to plan the calibration model);
@@ -123,16 +207,16 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
                          f"{sum(t[3] for t in timed) * 1e3:.1f} ms")
                     timed = _with_host_waits(timed, out.prefill_s)
                 samples.extend(timed)
-    by_family = defaultdict(list)
-    for family, _, roof, measured in samples:
-        by_family[family].append((roof, measured))
-    fits = {family: fit(*zip(*by_family[family])) for family in KERNEL_FAMILIES if by_family[family]}
-    fits["prefill_ring_batch"] = KernelFit(efficiency=1.0, latency_s=batch_s)
+    fits = fit_families(samples)
+    counts = defaultdict(int)
+    for sample in samples:
+        counts[sample.family] += 1
     for family, fitted in fits.items():
-        if not by_family[family]:
-            continue        # measured, not fitted: printed when measured
-        note(f"  {family}: {len(by_family[family])} nodes, {fitted.efficiency:.0%} of the roofline + "
-             f"{fitted.latency_s * 1e6:.3g} us")
+        tiled = (f", {fitted.weight_element_s * 1e12:.3g} ps a weight element, further tiles at "
+                 f"{fitted.further_tile:.0%}") if family in TILED_FAMILIES else ""
+        note(f"  {family}: {counts[family]} nodes, {fitted.efficiency:.0%} of the roofline + "
+             f"{fitted.latency_s * 1e6:.3g} us{tiled}")
+    fits["prefill_ring_batch"] = KernelFit(efficiency=1.0, latency_s=batch_s)
     return Kernels(**fits), samples
 
 
@@ -173,15 +257,15 @@ def _with_host_waits(timed: list, wall_s: float) -> list:
     """A prompt's wall time beyond its nodes' GPU time, spread over its routed-expert nodes: prefill waits for
     the host once a MoE block (the routing read back, the ring's batches worked out and launched), and those
     nodes are where it waits."""
-    experts = [i for i, (family, *_rest) in enumerate(timed) if family == "prefill_experts"]
-    wait_s = max(0.0, wall_s - sum(measured for *_rest, measured in timed)) / max(1, len(experts))
-    return [(family, name, roof, measured + (wait_s if i in experts else 0.0))
-            for i, (family, name, roof, measured) in enumerate(timed)]
+    experts = [i for i, sample in enumerate(timed) if sample.family == "prefill_experts"]
+    wait_s = max(0.0, wall_s - sum(sample.measured_s for sample in timed)) / max(1, len(experts))
+    return [sample._replace(measured_s=sample.measured_s + wait_s) if i in experts else sample
+            for i, sample in enumerate(timed)]
 
 
 def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int) -> list:
-    """(family, node, roofline s, measured s) of every node of the engine's `kind` pass over `tokens` rows (a
-    prefill pass's routed-expert nodes computing the tile rows of the routing the engine last read back)."""
+    """A `Sample` of every node of the engine's `kind` pass over `tokens` rows (a prefill pass's routed-expert
+    nodes computing the tiles of the routing the engine last read back)."""
     program = engine._program(kind, tokens)
     steps = program.steps
     decode = kind == "decode"
@@ -191,17 +275,22 @@ def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int) -> list:
     tile_rows = {} if decode else {
         block: measured_tile_rows_per_pair(engine.routed_ids[i, :tokens], engine.hp.n_expert)
         for i, block in enumerate(engine.moe_blocks)}
-    return [(kernel_family(program.graph.nodes[step.name], decode), step.name,
-             node_roofline_s(program.graph, step.name, gpu, engine.model, context + decode,
-                             tile_rows.get(tensor_layer(step.name), 1.0)), float(measured))
-            for step, measured in zip(steps, times)]
+    samples = []
+    for step, measured in zip(steps, times):
+        rows = tile_rows.get(tensor_layer(step.name), 1.0)
+        tiled = node_tiles(program.graph, step.name, rows)
+        samples.append(Sample(kernel_family(program.graph.nodes[step.name], decode), step.name,
+                              node_roofline_s(program.graph, step.name, gpu, engine.model, context + decode, rows),
+                              float(measured), None if tiled is None else
+                              tuple(float(term) for term in tile_terms(gpu, *tiled))))
+    return samples
 
 
 def by_family(timed: list, kernels: Kernels) -> dict:
-    """family -> (measured s, the calibration's s) summed over `timed_nodes`' rows: where a pass's prediction
-    and its measurement part."""
+    """family -> (measured s, the calibration's s) summed over `timed_nodes`' samples: where a pass's
+    prediction and its measurement part."""
     totals = defaultdict(lambda: [0.0, 0.0])
-    for family, _name, roof, measured in timed:
-        totals[family][0] += measured
-        totals[family][1] += fitted_s(getattr(kernels, family), roof)
+    for sample in timed:
+        totals[sample.family][0] += sample.measured_s
+        totals[sample.family][1] += sample_s(kernels, sample)
     return {family: tuple(pair) for family, pair in totals.items()}

@@ -18,7 +18,7 @@ import yaml
 
 from codegen.lower.cuda import SIMULATOR, cuda, device_name
 from planner.errors import StratumError
-from planner.profile import KERNEL_FAMILIES, load_profile
+from planner.profile import KERNEL_FAMILIES, TILED_FAMILIES, load_profile
 from runtime import ceilings
 
 MODULE_MARGIN_BYTES = 512 << 20    # kernel modules, graphs and fragmentation after the context's own use
@@ -28,8 +28,8 @@ PINNED_SHARE = 0.75                # of host RAM that the profile lets stratum p
 def detect(path: Path, name: str | None = None, calibrate: bool = True, samples: Path | None = None,
            note=print) -> Path:
     """Measure this GPU (device 0) and write its profile to `path`; returns the path. `samples`: also write
-    the calibration's timed nodes there (JSON: family, node, roofline s, measured s), so its fits can be
-    examined or redone without the GPU."""
+    the calibration's timed nodes there (JSON: `runtime.calibrate.Sample`'s fields), so its fits can be
+    examined or redone without the GPU (`runtime.calibrate.fit_families`)."""
     if SIMULATOR or not cuda.is_available():
         raise StratumError("--detect measures a real NVIDIA GPU, and none is usable here"
                            + (" (NUMBA_ENABLE_CUDASIM=1 selects the simulator)" if SIMULATOR else
@@ -58,7 +58,8 @@ def detect(path: Path, name: str | None = None, calibrate: bool = True, samples:
         "name": name or path.stem,
         "description": f"{gpu_name}, measured by stratum profile --detect on {time.strftime('%Y-%m-%d')}: "
                        "every figure is this machine's, the kernels block this project's kernels on it.",
-        "gpus": [{"name": gpu_name, "vram": f"{total_bytes} B", "reserved": f"{reserved_bytes} B", **figures}],
+        "gpus": [{"name": gpu_name, "vram": f"{total_bytes} B", "sms": cuda.get_current_device().MULTIPROCESSOR_COUNT,
+                  "reserved": f"{reserved_bytes} B", **figures}],
         "host": {"ram": f"{ram_bytes} B", "pinned_budget": f"{int(ram_bytes * PINNED_SHARE)} B"},
     }
     _write(path, document)
@@ -72,8 +73,7 @@ def detect(path: Path, name: str | None = None, calibrate: bool = True, samples:
             kernels, timed = fit_kernels(measured, load_profile(measured).gpus[0], note=note)
         if samples is not None:
             samples.parent.mkdir(parents=True, exist_ok=True)
-            samples.write_text(json.dumps([dict(zip(("family", "node", "roofline_s", "measured_s"), row))
-                                           for row in timed], indent=1))
+            samples.write_text(json.dumps([sample._asdict() for sample in timed], indent=1))
         document["gpus"][0]["kernels"] = kernels_document(kernels)
         _write(path, document)
     load_profile(path)      # what was written reads back
@@ -84,8 +84,14 @@ def detect(path: Path, name: str | None = None, calibrate: bool = True, samples:
 def kernels_document(kernels) -> dict:
     """A profile's `kernels:` block: each family's fit to 3 significant digits (a kernel that follows no
     roofline, such as the one-block grouping, fits far below 1%: rounded to decimals it would read as 0)."""
-    return {family: {"efficiency": float(f"{getattr(kernels, family).efficiency:.3g}"),
-                     "latency": f"{getattr(kernels, family).latency_s * 1e6:.3g} us"} for family in KERNEL_FAMILIES}
+    document = {}
+    for family in KERNEL_FAMILIES:
+        fit = getattr(kernels, family)
+        document[family] = {"efficiency": float(f"{fit.efficiency:.3g}"), "latency": f"{fit.latency_s * 1e6:.3g} us"}
+        if family in TILED_FAMILIES:
+            document[family].update(weight_element=f"{fit.weight_element_s * 1e9:.3g} ns",
+                                    further_tile=float(f"{fit.further_tile:.3g}"))
+    return document
 
 
 def _write(path: Path, document: dict) -> None:

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import yaml
 
-from planner.profile import Kernels, parse_profile
-from runtime.calibrate import fit
+from codegen.cost import tiled_sm_s
+from planner.profile import KernelFit, Kernels, parse_profile
+from runtime.calibrate import FURTHER_TILE_GRID, fit, fit_tiled
 from runtime.detect import kernels_document
 
 
@@ -50,3 +51,33 @@ def test_fit_gives_a_familys_nodes_their_measured_total(rng):
     found = fit(rooflines, measured)
     assert 0 < found.efficiency <= 1 and found.latency_s >= 0
     assert np.sum(found.latency_s + rooflines / found.efficiency) == pytest.approx(np.sum(measured), rel=1e-9)
+
+
+def _tiled_nodes(rng, n: int):
+    """Tile terms of `n` prefill nodes like the calibration's: 64- and 128-row tiles, 512 to 4096 wide, 1-40
+    waves (codegen.cost.tile_terms on a 132-SM GPU at 52 TFLOPS)."""
+    rows, width = rng.choice([64, 128], size=n), rng.choice([512, 768, 2048, 4096], size=n)
+    return [(float(rng.integers(1, 41)), 2.0 * r * 128 * w * 132 / 52e12, 128.0 * w) for r, w in zip(rows, width)]
+
+
+def test_fit_tiled_recovers_the_tile_model(rng):
+    """Nodes priced by codegen.cost.tiled_sm_s from drawn parameters (the further-tile fraction one of the fit's
+    grid) give those parameters back."""
+    truth = KernelFit(efficiency=rng.uniform(0.4, 0.95), latency_s=rng.uniform(2e-6, 2e-5),
+                      weight_element_s=rng.uniform(1e-10, 5e-10),
+                      further_tile=float(rng.choice(FURTHER_TILE_GRID[10:-5])))
+    tiles = _tiled_nodes(rng, 24)
+    times = [truth.latency_s + float(tiled_sm_s(truth, *t)) for t in tiles]
+    found = fit_tiled(tiles, times)
+    assert found.further_tile == truth.further_tile
+    for name in ("efficiency", "latency_s", "weight_element_s"):
+        assert getattr(found, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+
+
+def test_fit_tiled_keeps_a_given_weight_element_and_its_bounds(rng):
+    """The routed experts take the matmuls' weight element (their tiles are one shape); no fit beats the FP32
+    peak or takes a negative latency."""
+    tiles = _tiled_nodes(rng, 16)
+    faster = [0.3 * (t[1] * (1 + 0.8 * (t[0] - 1))) for t in tiles]     # faster than the peak, no latency
+    found = fit_tiled(tiles, faster, weight_element_s=2e-10)
+    assert found.weight_element_s == 2e-10 and found.efficiency == 1.0 and found.latency_s >= 0.0

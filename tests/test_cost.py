@@ -1,9 +1,11 @@
-"""The cost model's pieces that are not a roofline: expert tile padding, and prefill's reads of host K/V."""
+"""The cost model's pieces that are not a roofline: tiles and their waves, expert tile padding, and prefill's
+reads of host K/V."""
 
 import numpy as np
 import pytest
 
-from codegen.cost import expected_tile_rows_per_pair, kernel_family, measured_tile_rows_per_pair, pass_cost
+from codegen.cost import (expected_tile_rows_per_pair, kernel_family, measured_tile_rows_per_pair, node_tiles,
+                          pass_cost, tile_terms, tiled_s, tiled_sm_s)
 from codegen.graph import EXPERT_TILE_ROWS, build_pass, prefill_attention_rows, representative_layers
 from planner.kv import parse_kv_type
 from planner.model import load_model
@@ -77,3 +79,38 @@ def test_prefills_output_head_row_is_a_decode_family_node(qwen):
     assert families.pop("logits") == "decode_matmul"
     assert graph.nodes["logits"]["shape"] == (1, qwen.hparams.n_vocab)
     assert families and set(families.values()) == {"prefill_matmul"}
+
+
+def test_prefill_matmuls_are_priced_by_their_tiles_waves(qwen):
+    """A matmul of no more tiles than SMs takes one tile's time at any rows (Qwen3-30B's k projection: 4 column
+    tiles of 64-row tiles, 32 tiles at 512 rows, 128 at 2048, on 132 SMs); q at 2048 rows (512 tiles of 128 rows)
+    takes four waves: its first tile, then three at the further-tile fraction."""
+    gpu = load_profile("h200-141g").gpus[0]
+    fit = gpu.kernels.prefill_matmul
+    seconds = {}
+    for tokens in (512, 2048):
+        graph = build_pass(qwen, "prefill", tokens, KV, layers=representative_layers(qwen.hparams))
+        for name in ("blk.0.k", "blk.0.q"):
+            tiling, tiles = node_tiles(graph, name)
+            seconds[name, tokens] = float(tiled_s(fit, gpu, tiling, tiles, 0.0))
+            one_tile = fit.latency_s + float(tiled_sm_s(fit, *tile_terms(gpu, tiling, 1)))
+    assert seconds["blk.0.k", 512] == seconds["blk.0.k", 2048]
+    tiling, tiles = node_tiles(graph, "blk.0.q")
+    assert (tiling.tile_rows, tiles) == (128, 512)
+    first = float(tiled_sm_s(fit, *tile_terms(gpu, tiling, 1)))
+    assert seconds["blk.0.q", 2048] == pytest.approx(fit.latency_s + first * (1 + 3 * fit.further_tile), rel=1e-12)
+    assert seconds["blk.0.q", 512] == pytest.approx(one_tile, rel=1e-12)
+
+
+def test_a_short_chunks_matmuls_cost_their_own_tiles(qwen):
+    """A last chunk of 100 tokens is priced from the 128-token graph: its matmuls by the tiles 100 rows make
+    (as many as 128 rows make), not by 100/128 of the graph's; one row more can start a wave."""
+    gpu = load_profile("h200-141g").gpus[0]
+    share = DeviceShare(0, gpu, tuple(range(qwen.hparams.n_trunk)), True, True)
+    def cost(tokens):
+        graph = build_pass(qwen, "prefill", tokens, KV, layers=representative_layers(qwen.hparams))
+        return pass_cost(graph, gpu, qwen, share.blocks)
+    small = cost(128)
+    assert small.tiled and small.tiled_matmuls_s(100) == small.tiled_matmuls_s(128)
+    # 513 rows make q's fifth row of 128-row tiles: 160 tiles, a second wave on 132 SMs
+    assert cost(1024).tiled_matmuls_s(512) < cost(1024).tiled_matmuls_s(513)

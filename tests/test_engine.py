@@ -32,6 +32,7 @@ def write_profile(folder, vram_kib: int) -> str:
 gpus:
   - name: test GPU
     vram: {vram_kib} KiB
+    sms: 16
     reserved: 64 KiB
     memory_bandwidth: 400 GB/s
     fp32: 10 TFLOPS

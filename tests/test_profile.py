@@ -21,6 +21,7 @@ BUNDLED = [
 GPU = {
     "name": "Test GPU",
     "vram": "8 GiB",
+    "sms": 36,
     "reserved": "512 MiB",
     "memory_bandwidth": "403 GB/s",
     "fp32": "7.18 TFLOPS",
@@ -127,6 +128,24 @@ def test_missing_field(tmp_path):
     assert str(path) in message and "gpus[0].memory_bandwidth" in message and "missing" in message
 
 
+@pytest.mark.parametrize("value", [0, 13.5, "132 SMs", True])
+def test_sms_is_a_whole_positive_count(tmp_path, value):
+    message = refused(write(tmp_path, variant(sms=value)))
+    assert "gpus[0].sms" in message and "whole positive number" in message
+
+
+def test_tiled_kernel_fit_reads_back(tmp_path):
+    """The tiled families' extra terms (codegen.cost.tiled_s) read back; left out, a weight element is free and
+    a further tile costs a first one."""
+    path = write(tmp_path, variant(kernels={"prefill_matmul": {"efficiency": 0.9, "latency": "6 us",
+                                                               "weight_element": "0.328 ns", "further_tile": 0.8},
+                                            "prefill_experts": {"efficiency": 0.7}}))
+    kernels = load_profile(path).gpus[0].kernels
+    assert kernels.prefill_matmul.weight_element_s == pytest.approx(0.328e-9)
+    assert kernels.prefill_matmul.further_tile == 0.8
+    assert (kernels.prefill_experts.weight_element_s, kernels.prefill_experts.further_tile) == (0.0, 1.0)
+
+
 def test_negative_field(tmp_path):
     path = write(tmp_path, variant(vram="-8 GiB"))
     message = refused(path)
@@ -231,6 +250,7 @@ gpus:
   memory_bandwidth: 403000 MB/s
   reserved: 0.5 GiB
   vram: 8192 MiB
+  sms: 36
   name: Test GPU
 """
 
@@ -300,6 +320,9 @@ def test_fp16_defaults_to_fp32(tmp_path):
     ({"decode_matmull": {"efficiency": 0.5}}, "kernels.decode_matmull", "unknown field"),
     ({"decode_small": {"latency": 4}}, "kernels.decode_small.latency", "duration"),
     ({"prefill_small": 0.5}, "kernels.prefill_small", "mapping"),
+    ({"prefill_matmul": {"further_tile": 0}}, "kernels.prefill_matmul.further_tile", "(0, 1]"),
+    ({"prefill_experts": {"weight_element": 0.3}}, "kernels.prefill_experts.weight_element", "no unit"),
+    ({"decode_matmul": {"further_tile": 0.8}}, "kernels.decode_matmul.further_tile", "unknown field"),
 ])
 def test_bad_kernel_calibration_is_refused(tmp_path, kernels, field, says):
     message = refused(write(tmp_path, variant(kernels=kernels)))

@@ -38,7 +38,7 @@ def small_card(tmp_path, architecture="qwen3moe", blocks=4, experts=8, embedding
 
 def profile_with(vram_bytes, reserved=64 * 2**20, link="12 GB/s", bandwidth="400 GB/s", gpus=1,
                  kernel_launch="25 us"):
-    gpu = {"name": "test", "vram": f"{vram_bytes} B", "reserved": f"{reserved} B", "memory_bandwidth": bandwidth,
+    gpu = {"name": "test", "vram": f"{vram_bytes} B", "sms": 16, "reserved": f"{reserved} B", "memory_bandwidth": bandwidth,
            "fp32": "10 TFLOPS", "fp16": "40 TFLOPS", "host_to_device": link, "device_to_host": link,
            "kernel_launch": kernel_launch}
     return parse_profile({"gpus": [gpu] * gpus, "host": {"ram": "512 GiB", "pinned_budget": "400 GiB"}},
