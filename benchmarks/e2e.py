@@ -91,11 +91,16 @@ def random_prompts(rng, vocab: int):
     return lambda n: rng.integers(0, vocab, size=n).tolist()
 
 
+MEASURED_REQUESTS = 3     # a row's figures: the median of this many requests (a tiny model's single ones vary 2x)
+
+
 def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, rng, host_profile=0, histogram=None,
              context=CONTEXT, prompt=None):
-    """One plan's engine: a warm-up request, then the measured one. histogram: a traced expert popularity
-    to plan with (the planner's hit-rate curve and the cache's first experts), else the default skew; prompt:
-    prompt(n) gives n token ids (default random ids); without MTP (a model's drafter is validated apart)."""
+    """One plan's engine: a warm-up request of the measured length (it binds that length's prefill programs,
+    which a user's first prompt of a length pays once), then MEASURED_REQUESTS measured ones, each of fresh
+    tokens: their median prefill and decode step. histogram: a traced expert popularity to plan with (the
+    planner's hit-rate curve and the cache's first experts), else the default skew; prompt: prompt(n) gives n
+    token ids (default random ids); without MTP (a model's drafter is validated apart)."""
     workload = Workload(prompts=((prompt_tokens, 1.0),), decode_tokens=new_tokens, histogram=histogram)
     plan = solve(profile, card, context=context, kv="f16", workload=workload, mtp=False)
     model = load_model(card)
@@ -106,19 +111,21 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
     allocated = free_before - cuda.current_context().get_memory_info()[0]
     try:
         prompt = prompt or random_prompts(rng, model.hparams.n_vocab)
-        engine.generate(prompt(64), 4)         # warm the host paths
+        engine.generate(prompt(prompt_tokens), 4)         # warm the host paths and this length's programs
         copied = engine.experts.stats.streamed_bytes
         profiler = cProfile.Profile() if host_profile else None
         if profiler:
             profiler.enable()
-        out = engine.generate(prompt(prompt_tokens), new_tokens)
+        outs = [engine.generate(prompt(prompt_tokens), new_tokens) for _ in range(MEASURED_REQUESTS)]
         if profiler:
             profiler.disable()
-            print(f"{name}: host time of the measured request, top {host_profile} functions by own time")
+            print(f"{name}: host time of the measured requests, top {host_profile} functions by own time")
             pstats.Stats(profiler).sort_stats("tottime").print_stats(host_profile)
         stats = engine.stats()
-        streamed = stats["expert_bytes_copied"] - copied
-        step_s = out.decode_s / (len(out.tokens) - 1)
+        streamed = (stats["expert_bytes_copied"] - copied) / MEASURED_REQUESTS
+        prefill_s = float(np.median([out.prefill_s for out in outs]))
+        step_s = float(np.median([out.decode_s / (len(out.tokens) - 1) for out in outs]))
+        first_token_s = float(np.median([out.first_token_s for out in outs]))
         graph_s = time_s(lambda: engine.graphs["decode", 1].replay(engine.compute), repeats=20, warmup=2)
     finally:
         engine.close()
@@ -130,19 +137,19 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
     # the plan's decode row for this request (its workload's), with the cache slots its K/V ring lends it
     decode_row = nearest(plan.predictions["decode"], "depth", prompt_tokens + new_tokens // 2)
     predicted_decode = decode_row["tok_s_without_mtp"]
-    prefill_tok_s, decode_tok_s = prompt_tokens / out.prefill_s, 1 / step_s
+    prefill_tok_s, decode_tok_s = prompt_tokens / prefill_s, 1 / step_s
     return {
         "plan": name, "device GiB": plan.device_bytes(0) / 2 ** 30,
         "allocated - plan MiB": (allocated - plan.device_bytes(0)) / 2 ** 20, "start s": start_s,
         "cache slots": plan.knobs["expert_cache_slots"][0], "lent slots": stats["expert_slots_lent"],
         "ring slots": plan.knobs["prefill_ring_slots"],
         "chunk": plan.knobs["chunk_tokens"],
-        "prefill tok/s": prefill_tok_s, "prefill floor": floor_prefill_s / out.prefill_s if streamed else None,
+        "prefill tok/s": prefill_tok_s, "prefill floor": floor_prefill_s / prefill_s if streamed else None,
         "prefill predicted": predicted_prefill, "prefill error": predicted_prefill / prefill_tok_s - 1,
         "decode tok/s": decode_tok_s, "of floor": floor_decode_s / step_s, "hit rate": hit,
         "hit predicted": decode_row["expert_hit_rate"],
         "decode predicted": predicted_decode, "decode error": predicted_decode / decode_tok_s - 1,
-        "python overhead": 1 - graph_s / step_s, "first token s": out.first_token_s,
+        "python overhead": 1 - graph_s / step_s, "first token s": first_token_s,
     }
 
 
