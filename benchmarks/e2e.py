@@ -91,14 +91,15 @@ def random_prompts(rng, vocab: int):
     return lambda n: rng.integers(0, vocab, size=n).tolist()
 
 
-MEASURED_REQUESTS = 3     # a row's figures: the median of this many requests (a tiny model's single ones vary 2x)
+MEASURED_REQUESTS = (3, 25)   # a row's figures: the median of at least 3 requests, more (up to 25) until they
+MEASURED_S = 1.0              # have taken a second: a tiny model's single requests vary 2x
 
 
 def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, rng, host_profile=0, histogram=None,
              context=CONTEXT, prompt=None):
     """One plan's engine: a warm-up request of the measured length (it binds that length's prefill programs,
-    which a user's first prompt of a length pays once), then MEASURED_REQUESTS measured ones, each of fresh
-    tokens: their median prefill and decode step. histogram: a traced expert popularity to plan with (the
+    which a user's first prompt of a length pays once), then MEASURED_REQUESTS measured ones (at least
+    MEASURED_S of them), each of fresh tokens: their median prefill and decode step. histogram: a traced expert popularity to plan with (the
     planner's hit-rate curve and the cache's first experts), else the default skew; prompt: prompt(n) gives n
     token ids (default random ids); without MTP (a model's drafter is validated apart)."""
     workload = Workload(prompts=((prompt_tokens, 1.0),), decode_tokens=new_tokens, histogram=histogram)
@@ -116,13 +117,16 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
         profiler = cProfile.Profile() if host_profile else None
         if profiler:
             profiler.enable()
-        outs = [engine.generate(prompt(prompt_tokens), new_tokens) for _ in range(MEASURED_REQUESTS)]
+        outs, measuring = [], time.perf_counter()
+        fewest, most = MEASURED_REQUESTS
+        while len(outs) < fewest or (len(outs) < most and time.perf_counter() - measuring < MEASURED_S):
+            outs.append(engine.generate(prompt(prompt_tokens), new_tokens))
         if profiler:
             profiler.disable()
             print(f"{name}: host time of the measured requests, top {host_profile} functions by own time")
             pstats.Stats(profiler).sort_stats("tottime").print_stats(host_profile)
         stats = engine.stats()
-        streamed = (stats["expert_bytes_copied"] - copied) / MEASURED_REQUESTS
+        streamed = (stats["expert_bytes_copied"] - copied) / len(outs)
         prefill_s = float(np.median([out.prefill_s for out in outs]))
         step_s = float(np.median([out.decode_s / (len(out.tokens) - 1) for out in outs]))
         first_token_s = float(np.median([out.first_token_s for out in outs]))

@@ -90,35 +90,40 @@ def text_prompts(rng):
 def traced_histogram(profile: Path, card: Path, tensors, prompts: int, new_tokens: int, prompt, tokens: int,
                      context: int, lengths) -> tuple:
     """(the routing counts of `prompts` prompts of `tokens` tokens (from `prompt(n)`) served by a resident
-    engine planned for the longest of `lengths`, the text of `compare_prefill`'s table on that engine)."""
+    engine planned for the longest of `lengths`, the text of `compare_passes`'s table on that engine)."""
     workload = Workload(prompts=((max(lengths), 1.0),), decode_tokens=new_tokens)
     plan = solve(profile, card, context=context, kv="f16", workload=workload, mtp=False)
     with Engine(plan, card, tensors=tensors, progress=False) as engine:
         for _ in range(prompts):
             engine.generate(prompt(tokens), new_tokens)
         counts = engine.trace()["expert_popularity"]["histogram"]
-        comparison = compare_prefill(engine, profile, prompt, lengths)
+        comparison = compare_passes(engine, profile, prompt, lengths)
     cuda.current_context().deallocations.clear()
     print(f"traced {prompts} prompts of {tokens} tokens: {np.sum(counts):.0f} routings")
     return tuple(map(tuple, counts)), comparison
 
 
-def compare_prefill(engine, profile: Path, prompt, lengths) -> str:
-    """The engine's prefill of one chunk of each of `lengths` (those within its chunk) against the profile's
-    calibration, node family by family (GPU time between events), and its wall time: where the prediction of
-    a resident prefill parts from it. Printed, and returned as text (the summary repeats it)."""
+def compare_passes(engine, profile: Path, prompt, lengths) -> str:
+    """The engine's prefill of one chunk of each of `lengths` (those within its chunk), and a decode step after
+    it, against the profile's calibration, node family by family (GPU time between events; decode's less the
+    events' own cost), and the prefill's wall time: where the prediction of a resident pass parts from it.
+    Printed, and returned as text (the summary repeats it)."""
     gpu = load_profile(profile).gpus[0]
     lines = []
     for tokens in sorted(n for n in lengths if n <= engine.chunk_tokens):
-        for _ in range(2):
-            out = engine.generate(prompt(tokens), 1)
-        timed = timed_nodes(engine, gpu, "prefill", tokens, tokens)
-        lines += [f"prefill of {tokens} tokens (one chunk), resident: {out.prefill_s * 1e3:.1f} ms wall, nodes' "
-                  f"GPU time {sum(t[3] for t in timed) * 1e3:.1f} ms", "", "| family | measured ms | calibration ms |",
-                  "| --- | ---: | ---: |"]
-        lines += [f"| {family} | {measured * 1e3:.2f} | {fitted * 1e3:.2f} |"
-                  for family, (measured, fitted) in sorted(by_family(timed, gpu.kernels).items())]
-        lines.append("")
+        for kind in ("prefill", "decode"):
+            # each pass timed right after requests that ran it: passes share the arena, so another pass's
+            # activations would overwrite its inputs
+            for _ in range(2):
+                out = engine.generate(prompt(tokens), 2)
+            timed = timed_nodes(engine, gpu, kind, tokens if kind == "prefill" else 1, tokens)
+            what = (f"prefill of {tokens} tokens (one chunk), resident: {out.prefill_s * 1e3:.1f} ms wall"
+                    if kind == "prefill" else f"a decode step after {tokens} tokens")
+            lines += [f"{what}, nodes' GPU time {sum(t.measured_s for t in timed) * 1e3:.3f} ms", "",
+                      "| family | measured ms | calibration ms |", "| --- | ---: | ---: |"]
+            lines += [f"| {family} | {measured * 1e3:.3f} | {fitted * 1e3:.3f} |"
+                      for family, (measured, fitted) in sorted(by_family(timed, gpu.kernels).items())]
+            lines.append("")
     text = "\n".join(lines)
     print(text)
     return text

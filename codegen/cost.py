@@ -72,11 +72,13 @@ def tiled_sm_s(fit: KernelFit, waves, peak_s, weight_elements):
     return np.where(waves > 0, tile_s * (1.0 + fit.further_tile * (waves - 1.0)), 0.0)
 
 
-def tiled_s(fit: KernelFit, gpu: GPU, tiling: Tiling, tiles, moved_bytes):
+def tiled_s(fit: KernelFit, gpu: GPU, tiling: Tiling, tiles, moved_bytes, launches=1.0):
     """Seconds of a tiled-family node of `tiles` tiles moving `moved_bytes`: its busiest SM's tiles, or its
-    bytes at the read bandwidth where those take longer, plus the family's latency."""
-    sm_s = tiled_sm_s(fit, *tile_terms(gpu, tiling, tiles))
-    return fit.latency_s + np.maximum(sm_s, moved_bytes / gpu.memory_bandwidth_bytes_per_s)
+    bytes at the read bandwidth where those take longer, plus the family's latency. In `launches` launches of
+    an even share each (the prefill ring's batches), each launch's grid its share of the tiles; the latency is
+    the node's once (what a further launch adds is the profile's `prefill_ring_batch`)."""
+    sm_s = tiled_sm_s(fit, *tile_terms(gpu, tiling, np.asarray(tiles) / launches))
+    return fit.latency_s + launches * np.maximum(sm_s, moved_bytes / launches / gpu.memory_bandwidth_bytes_per_s)
 
 
 @dataclass
@@ -98,10 +100,11 @@ class PassCost:
     n_nodes: int = 0                  # kernel launches the pass replays
     _tiled_memo: dict = field(default_factory=dict, repr=False)
 
-    def expert_compute_s(self, tile_rows_per_pair=1.0, tokens=None):
+    def expert_compute_s(self, tile_rows_per_pair=1.0, tokens=None, launches=1.0):
         """One MoE block's expert arithmetic and activations (weights excluded) for `tokens` rows (default the
         graph's): prefill's by their tiles, ceil(pairs / EXPERT_TILE_ROWS) an expert, `tile_rows_per_pair`
-        rows computed a pair; decode's by their FLOPs, which compute only their pairs."""
+        rows computed a pair, in `launches` launches (the prefill ring's batches, `tiled_s`); decode's by
+        their FLOPs, which compute only their pairs."""
         scale = (tokens or self.tokens) / self.tokens
         total = 0.0
         for flops, moved, fit, tiling, pairs in self.experts:
@@ -110,7 +113,7 @@ class PassCost:
                                                          scale * moved / self.gpu.memory_bandwidth_bytes_per_s))
             else:
                 tiles = expert_node_tiles(tiling, scale * pairs, tile_rows_per_pair)
-                total = total + tiled_s(fit, self.gpu, tiling, tiles, scale * moved)
+                total = total + tiled_s(fit, self.gpu, tiling, tiles, scale * moved, launches)
         return total
 
     def attention_s(self, context_tokens, resident_tokens, per_block: bool = False, tokens=None):

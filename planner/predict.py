@@ -8,11 +8,12 @@
   stream at max(c, (latency + c + g) / D) per expert. A block's experts are known only once its router has
   run (the host reads them back), so the copy engine idles through each streaming block's dense part
   (attention, projections); within the block, batches of D / 2 experts alternate between the ring's halves,
-  the first batch's copy ahead of any expert kernel and the last batch's kernels after every copy. Each batch
-  but a block's first launches its expert kernels again, at the profile's `prefill_ring_batch` latency (their
-  small grids: BENCHMARKS.md, the ring's timeline). A chunk takes max(compute, streaming, issuing): they run
-  on separate engines and the host, which launches each kernel from Python (`kernel_launch` in the profile),
-  so a shallow ring's many small batches cost launches;
+  the first batch's copy (and the host's issue of it) ahead of any expert kernel and the last batch's kernels
+  after every copy. Each batch's expert kernels take their share of the block's tiles (a small batch's grids
+  leave SMs idle), plus the profile's `prefill_ring_batch`: what a batch adds beyond its tiles (BENCHMARKS.md,
+  the ring's timeline). A chunk takes max(compute, streaming, issuing): they run on separate engines and the
+  host, which launches each kernel from Python (`kernel_launch` in the profile), so a shallow ring's many
+  small batches cost launches;
 - K/V ring: the last `resident` positions are in VRAM; attention over older ones streams them over the link;
 - MTP: a round drafts n tokens and verifies 1 + n in one window, yielding 1 + a + a^2 + ... + a^n tokens;
 - the host: a decode window or draft step is one graph replay, its copies in and out captured with it: one
@@ -24,6 +25,7 @@ solver prices thousands of candidate layouts in a few vector operations.
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -41,6 +43,26 @@ MAX_DRAFT_DEPTH = 4
 WINDOW_HOST_CALLS = 1
 DRAFT_STEP_HOST_CALLS = 1
 CHUNK_SAMPLES = 8       # chunks priced per prompt; a longer prompt's chunks are sampled evenly and scaled
+
+
+COPIES_PER_RUN = 6       # a run of consecutive streamed experts: data and scales of gate, up and down
+
+
+class ChunkStreaming(NamedTuple):
+    """What a prefill chunk of some size costs in routed experts, whatever its context (`chunk_streaming`).
+    Host issue: one `kernel_launch` a call; a chunk's (every node's kernel and every batch's calls) overlaps
+    the GPU's work and binds only when it is the longest."""
+    expert_compute_s: object    # their arithmetic, the ring batches' launches included
+    touched_read_s: float       # their weights read from VRAM
+    streamed_bytes: object
+    streamed_count: object      # experts streamed
+    copies: object              # host-to-device copies, each paying the profile's copy_latency
+    stall_per_expert_s: object  # the ring's stall per streamed expert
+    streaming_blocks: object    # blocks still streaming
+    fill_s: object              # a streaming block's first batch's copy, ahead of any of its expert kernels
+    drain_s: object             # its last batch's kernels, after every copy
+    issue_s: object             # the host's issue of its first batch: nothing of the block runs before it
+    launch_s: object            # the host's issue of the whole chunk
 
 
 class SlotTable:
@@ -150,6 +172,16 @@ class DeviceCost:
                 self._memo[key] = float(self.cost(kind, tokens).expert_compute_s())
         return self._memo[key]
 
+    def _mean_block_experts(self, tokens: int) -> tuple:
+        """(tile rows a pair, the routed experts' arithmetic in one launch) of a MoE block at the blocks' mean
+        tile rows: the block a ring's batches are priced on."""
+        key = ("mean block experts", tokens)
+        if key not in self._memo:
+            cost = self.cost("prefill", 1 << (tokens - 1).bit_length())
+            rows = float(np.mean(self.tile_rows_per_pair(tokens)))
+            self._memo[key] = (rows, float(cost.expert_compute_s(rows, tokens)))
+        return self._memo[key]
+
     def window_tables(self, tokens: int):
         key = ("window", tokens)
         if key not in self._memo:
@@ -213,19 +245,20 @@ class DeviceCost:
         compute = cost.dense_s(context, resident, tokens) + cost.n_nodes * g.graph_node_overhead_s + host_kv_s
         if not self.moe_blocks:
             return compute
-        (expert_compute, touched_read_s, streamed_bytes, streamed_count, stall_per_expert, streaming_blocks,
-         batch_ends, launch_s) = streaming
-        fill, drain = batch_ends        # a streaming block's first batch's copy, its last batch's kernels
-        compute = compute + expert_compute + touched_read_s + streaming_blocks * fill
-        stream = (streamed_bytes / g.host_to_device_bytes_per_s + host_kv_s + streamed_count * stall_per_expert
-                  + streaming_blocks * (cost.block_s(context, resident, tokens) + drain))
-        return np.maximum(np.maximum(compute, stream), launch_s)
+        s = streaming
+        compute = compute + s.expert_compute_s + s.touched_read_s + s.streaming_blocks * (s.fill_s + s.issue_s)
+        stream = (s.streamed_bytes / g.host_to_device_bytes_per_s + s.copies * g.copy_latency_s + host_kv_s
+                  + s.streamed_count * s.stall_per_expert_s
+                  + s.streaming_blocks * (cost.block_s(context, resident, tokens) + s.issue_s + s.drain_s))
+        return np.maximum(np.maximum(compute, stream), s.launch_s)
 
-    def chunk_streaming(self, tokens: int, cache_slots, ring_slots):
-        """What a chunk of `tokens` positions costs in experts, whatever its context: (their arithmetic with
-        the ring batches' launches, their reads from VRAM, bytes and count streamed, the ring's stall per
-        streamed expert, blocks still streaming, (a streaming block's first batch's copy, its last batch's
-        kernels), the host's time to issue the chunk)."""
+    def chunk_streaming(self, tokens: int, cache_slots, ring_slots) -> ChunkStreaming | None:
+        """What a chunk of `tokens` positions costs in experts, whatever its context (`ChunkStreaming`).
+
+        A streaming block's experts launch batch by batch, each batch's grids its share of the block's tiles
+        (`PassCost.expert_compute_s`): a shallow ring's small batches leave SMs idle in every wave. The engine
+        waits for a streaming block's routing, so nothing runs on the GPU or the copy engine until the host has
+        issued that block's first batch."""
         g = self.gpu
         if not self.moe_blocks:
             return None
@@ -241,24 +274,24 @@ class DeviceCost:
         stall_per_expert = np.maximum(0.0, slot_cycle / ring_slots - copy)
         half = np.maximum(1, np.asarray(ring_slots) // 2)
         streaming_blocks = self._blocks_streaming(cache_slots)
-        per_block = np.minimum(half, streamed_count / np.maximum(streaming_blocks, 1))     # a first batch's experts
-        extra_batches = streamed_count / half        # beyond each block's one launch, which the calibration timed
-        expert_compute = expert_compute + extra_batches * g.kernels.prefill_ring_batch.latency_s
-        return (expert_compute, touched_bytes / g.memory_bandwidth_bytes_per_s, streamed_bytes, streamed_count,
-                stall_per_expert, streaming_blocks, (per_block * copy, per_block * per_expert_compute),
-                self._launch_s(cost.n_nodes, extra_batches, half, cache_slots))
-
-    def _launch_s(self, n_nodes: int, extra_batches, half, cache_slots):
-        """Host time to issue a chunk from Python, one `kernel_launch` a call: every node's kernel, and per
-        ring batch (`half` the ring's experts, ascending; a block's one batch and its `extra_batches`) its
-        gate/up and down kernels, two copies (data, scales) per matrix for each run of consecutive expert ids
-        (a cached expert between two streamed ones splits a run), and four event calls. Issuing overlaps the
-        GPU's work: it binds only when it is the longest."""
-        batches = extra_batches + len(self.moe_blocks)
-        cached_share = np.minimum(1.0, np.asarray(cache_slots) / max(1, len(self.moe_blocks)) / self.n_expert)
-        runs = 1 + (half - 1) * cached_share
-        per_batch = 2 + 6 * runs + 4
-        return (n_nodes + batches * per_batch) * self.gpu.kernel_launch_s
+        streamed_per_block = streamed_count / np.maximum(streaming_blocks, 1)
+        per_block = np.minimum(half, streamed_per_block)        # a first batch's experts
+        batches = np.maximum(1.0, np.ceil(streamed_per_block / half))   # a streaming block's
+        extra_batches = streaming_blocks * (batches - 1.0)     # beyond each block's one launch
+        mean_rows, one_launch_s = self._mean_block_experts(tokens)
+        split_s = cost.expert_compute_s(mean_rows, tokens, batches) - one_launch_s
+        expert_compute = (expert_compute + streaming_blocks * split_s
+                          + extra_batches * g.kernels.prefill_ring_batch.latency_s)
+        # a batch's copies: two (data, scales) per matrix for each run of consecutive expert ids (a cached
+        # expert between two streamed ones splits a run)
+        cached_share = np.minimum(1.0, np.asarray(cache_slots) / len(self.moe_blocks) / self.n_expert)
+        batch_copies = COPIES_PER_RUN * (1 + (half - 1) * cached_share)
+        batch_calls = 2 + batch_copies + 4      # gate/up and down kernels, the copies, four event calls
+        return ChunkStreaming(
+            expert_compute, touched_bytes / g.memory_bandwidth_bytes_per_s, streamed_bytes, streamed_count,
+            streaming_blocks * batches * batch_copies, stall_per_expert, streaming_blocks, per_block * copy,
+            per_block * per_expert_compute, batch_calls * g.kernel_launch_s,
+            (cost.n_nodes + (extra_batches + len(self.moe_blocks)) * batch_calls) * g.kernel_launch_s)
 
     def _blocks_streaming(self, cache_slots):
         """How many MoE blocks still stream at least one expert."""

@@ -56,7 +56,8 @@ class Kernels:
     decode families serve windows of 1..8 rows (memory-bound), the prefill families chunks (compute-bound);
     `*_grouping` is the routed pairs' grouping by expert (one thread block: it follows no roofline), `*_small`
     every other kernel (norms, RoPE, adds, top-k, K/V store, embedding, argmax); `prefill_ring_batch` (a
-    latency only) what a batch of the prefill ring adds to its block's routed experts beyond their one launch."""
+    latency only) what a batch of the prefill ring adds to its block's routed experts beyond their one launch
+    and beyond its tiles' cost."""
     decode_matmul: KernelFit = KernelFit()
     decode_attention: KernelFit = KernelFit()
     decode_experts: KernelFit = KernelFit()

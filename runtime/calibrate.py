@@ -13,8 +13,9 @@ efficiency that give its nodes' times best (least squares on absolute error, `fi
 roofline / efficiency. The tiled families (prefill's matmuls and routed experts) are fitted on their tiles
 instead (`fit_tiled`, the model of `codegen.cost.tiled_s`): the calibration's 64- and 128-row tiles, its
 matrices 512 to 4096 wide and its nodes of one to 39 waves tell a tile's FLOPs from its weights' dequantization
-and a first tile from a further one. `prefill_ring_batch` is measured directly (`ring_batch_s`): what a block's routed
-experts cost beyond their one launch when launched in the prefill ring's batches.
+and a first tile from a further one. `prefill_ring_batch` is measured directly (`time_ring_batches`,
+`ring_batch_s`): what a block's routed experts cost, launched in the prefill ring's batches, beyond their one
+launch and beyond what the batches' smaller grids cost by the tile model.
 """
 
 import itertools
@@ -27,7 +28,8 @@ from typing import NamedTuple
 import numpy as np
 
 from codegen.cost import (fitted_s, kernel_family, measured_tile_rows_per_pair, node_roofline_s, node_tiles,
-                          tile_terms, tiled_sm_s)
+                          tile_terms, tiled_s, tiled_sm_s)
+from codegen.graph import prefill_tiling
 from codegen.lower.cuda import CapturedGraph, cuda
 from codegen.lower.moe import range_tiles
 from planner.architecture import tensor_layer
@@ -199,9 +201,7 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
                     out = engine.generate(rng.integers(0, vocab, size=tokens).tolist(), new)
                 timed = timed_nodes(engine, gpu, kind, 1 if kind == "decode" else tokens, tokens)
                 if kind == "prefill" and tokens == CHUNK_TOKENS:
-                    batch_s = ring_batch_s(engine, tokens)
-                    note(f"  a prefill ring batch of {RING_BATCH_EXPERTS} experts: {batch_s * 1e6:.0f} us beyond "
-                         "its block's one launch")
+                    ring_batches = time_ring_batches(engine, tokens)
                 if kind == "prefill":
                     note(f"  prefill of {tokens} tokens: {out.prefill_s * 1e3:.1f} ms, its nodes' GPU time "
                          f"{sum(t[3] for t in timed) * 1e3:.1f} ms")
@@ -216,16 +216,45 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
                  f"{fitted.further_tile:.0%}") if family in TILED_FAMILIES else ""
         note(f"  {family}: {counts[family]} nodes, {fitted.efficiency:.0%} of the roofline + "
              f"{fitted.latency_s * 1e6:.3g} us{tiled}")
+    batch_s = ring_batch_s(ring_batches, gpu, fits["prefill_experts"])
+    note(f"  a prefill ring batch of {RING_BATCH_EXPERTS} experts: {batch_s * 1e6:.3g} us beyond its tiles "
+         f"(measured {ring_batches.beyond_one_launch_s * 1e6:.0f} us beyond its block's one launch)")
     fits["prefill_ring_batch"] = KernelFit(efficiency=1.0, latency_s=batch_s)
     return Kernels(**fits), samples
 
 
-def ring_batch_s(engine, tokens: int) -> float:
-    """Seconds a batch of RING_BATCH_EXPERTS consecutive experts adds to a block's routed experts when they
-    are launched batch by batch (as the prefill ring streams them, each with its routing's `range_tiles`)
-    rather than at once: the first MoE block of the engine's `tokens`-row prefill, its experts all in VRAM
-    (no copies), both ways timed between events, medians. The pass's earlier steps run first, so the block's
-    inputs are the prompt's (the engine has just read one of `tokens` tokens)."""
+class RingBatches(NamedTuple):
+    """A block's routed experts timed at once and in ring batches (`time_ring_batches`)."""
+    once_s: float
+    batched_s: float
+    range_tiles: list               # row tiles of each batch's expert range
+    tilings: tuple                  # (gate/up's, down's) `codegen.graph.Tiling`
+
+    @property
+    def beyond_one_launch_s(self) -> float:
+        """What a batch after the first added, measured."""
+        return max(0.0, (self.batched_s - self.once_s) / max(1, len(self.range_tiles) - 1))
+
+
+def ring_batch_s(measured: RingBatches, gpu: GPU, experts: KernelFit) -> float:
+    """The `prefill_ring_batch` latency: what a batch after a block's first adds beyond what its tiles cost
+    (the fitted `experts` tile model prices each batch's grids, `codegen.cost.tiled_s`), from `measured`."""
+    if len(measured.range_tiles) < 2:
+        return 0.0          # every expert in one batch: nothing beyond the one launch
+    split_s = 0.0
+    for tiling in measured.tilings:
+        tiles = np.asarray(measured.range_tiles, float) * tiling.col_tiles
+        split_s += float(np.sum(tiled_s(experts, gpu, tiling, tiles, 0.0) - experts.latency_s)
+                         - (tiled_s(experts, gpu, tiling, tiles.sum(), 0.0) - experts.latency_s))
+    return max(0.0, (measured.batched_s - measured.once_s - split_s) / (len(measured.range_tiles) - 1))
+
+
+def time_ring_batches(engine, tokens: int) -> RingBatches:
+    """A block's routed experts launched at once and in batches of RING_BATCH_EXPERTS consecutive experts (as
+    the prefill ring streams them, each with its routing's `range_tiles`): the first MoE block of the
+    engine's `tokens`-row prefill, its experts all in VRAM (no copies), both ways timed between events,
+    medians. The pass's earlier steps run first, so the block's inputs are the prompt's (the engine has just
+    read one of `tokens` tokens)."""
     program = engine._program("prefill", tokens)
     gate_up = next(step for step in program.steps
                    if program.graph.nodes[step.name]["op"] == "moe_swiglu_matmul")
@@ -238,8 +267,6 @@ def ring_batch_s(engine, tokens: int) -> float:
     n_expert = engine.experts.n_expert
     edges = list(range(0, n_expert, RING_BATCH_EXPERTS)) + [n_expert]
     batched = list(zip(edges, edges[1:], range_tiles(routed, n_expert, edges)))
-    if len(batched) < 2:
-        return 0.0          # every expert in one batch: nothing beyond the one launch
     once = [(0, n_expert, range_tiles(routed, n_expert, [0, n_expert])[0])]
 
     def launches(ranges):
@@ -248,9 +275,10 @@ def ring_batch_s(engine, tokens: int) -> float:
                 gate_up.launch(stream, *gate_up.args, lo=lo, hi=hi, tiles=tiles)
                 down.launch(stream, *down.args, lo=lo, hi=hi, tiles=tiles)
         return run
-    seconds = [float(np.median(node_times_s([SimpleNamespace(run=launches(r))], engine.compute, REPEATS, 20000)))
-               for r in (once, batched)]
-    return max(0.0, (seconds[1] - seconds[0]) / (len(batched) - 1))
+    once_s, batched_s = [float(np.median(node_times_s([SimpleNamespace(run=launches(r))], engine.compute, REPEATS,
+                                                      20000))) for r in (once, batched)]
+    tilings = tuple(prefill_tiling(program.graph.nodes[step.name]) for step in (gate_up, down))
+    return RingBatches(once_s, batched_s, [int(tiles) for *_range, tiles in batched], tilings)
 
 
 def _with_host_waits(timed: list, wall_s: float) -> list:

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import yaml
 
-from codegen.cost import tiled_sm_s
-from planner.profile import KernelFit, Kernels, parse_profile
-from runtime.calibrate import FURTHER_TILE_GRID, fit, fit_tiled
+from codegen.cost import tiled_s, tiled_sm_s
+from codegen.graph import Tiling
+from planner.profile import KernelFit, Kernels, load_profile, parse_profile
+from runtime.calibrate import FURTHER_TILE_GRID, RingBatches, fit, fit_tiled, ring_batch_s
 from runtime.detect import kernels_document
 
 
@@ -81,3 +82,21 @@ def test_fit_tiled_keeps_a_given_weight_element_and_its_bounds(rng):
     faster = [0.3 * (t[1] * (1 + 0.8 * (t[0] - 1))) for t in tiles]     # faster than the peak, no latency
     found = fit_tiled(tiles, faster, weight_element_s=2e-10)
     assert found.weight_element_s == 2e-10 and found.efficiency == 1.0 and found.latency_s >= 0.0
+
+
+def test_ring_batch_latency_is_what_batches_add_beyond_their_tiles(rng):
+    """Batched launches timed at what the tile model prices their smaller grids at, plus a drawn latency per
+    batch after the first: that latency is what `ring_batch_s` gives back (and 0 for one batch)."""
+    gpu = load_profile("h200-141g").gpus[0]
+    experts = gpu.kernels.prefill_experts
+    tilings = (Tiling(64, 12, 2048), Tiling(64, 16, 768))
+    ranges = rng.integers(4, 16, size=32)
+    extra = rng.uniform(2e-6, 4e-5)
+
+    def once(tiles):
+        return sum(float(tiled_s(experts, gpu, t, tiles * t.col_tiles, 0.0)) for t in tilings)
+    once_s = once(ranges.sum())
+    batched_s = sum(once(r) - 2 * experts.latency_s for r in ranges) + 2 * experts.latency_s + 31 * extra
+    measured = RingBatches(once_s, batched_s, ranges.tolist(), tilings)
+    assert ring_batch_s(measured, gpu, experts) == pytest.approx(extra, rel=1e-6)
+    assert ring_batch_s(RingBatches(once_s, once_s, [int(ranges.sum())], tilings), gpu, experts) == 0.0

@@ -1,6 +1,8 @@
 """The cost model's pieces that are not a roofline: tiles and their waves, expert tile padding, and prefill's
 reads of host K/V."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from codegen.graph import EXPERT_TILE_ROWS, build_pass, prefill_attention_rows, 
 from planner.kv import parse_kv_type
 from planner.model import load_model
 from planner.predict import DeviceCost, DeviceShare
-from planner.profile import load_profile
+from planner.profile import KernelFit, load_profile
 from planner.workload import Workload
 
 KV = parse_kv_type("f16")
@@ -114,3 +116,39 @@ def test_a_short_chunks_matmuls_cost_their_own_tiles(qwen):
     assert small.tiled and small.tiled_matmuls_s(100) == small.tiled_matmuls_s(128)
     # 513 rows make q's fifth row of 128-row tiles: 160 tiles, a second wave on 132 SMs
     assert cost(1024).tiled_matmuls_s(512) < cost(1024).tiled_matmuls_s(513)
+
+
+def _streaming_device(qwen, gpu):
+    share = DeviceShare(0, gpu, tuple(range(qwen.hparams.n_trunk)), True, True)
+    return DeviceCost(qwen, share, KV, Workload(prompts=((2048, 1.0),), decode_tokens=8), mtp=False)
+
+
+def test_a_shallow_rings_small_batches_cost_their_tiles(qwen):
+    """With no latency a ring batch (prefill_ring_batch 0), a shallower ring still prices a streaming block's
+    experts higher: its batches' grids hold fewer tiles, so more waves run under-filled."""
+    gpu = load_profile("h200-141g").gpus[0]
+    gpu = dataclasses.replace(gpu, kernels=dataclasses.replace(gpu.kernels, prefill_ring_batch=KernelFit()))
+    device = _streaming_device(qwen, gpu)
+    rings = np.array([4, 16, 64, 256])
+    experts = device.chunk_streaming(2048, np.zeros(4, dtype=np.int64), rings).expert_compute_s
+    assert np.all(np.diff(experts) < 0)
+    whole = device.expert_compute_s("prefill", 2048)
+    assert experts[-1] == pytest.approx(whole, rel=1e-9)        # 128 slots a half: each block in one batch
+
+
+def test_each_streamed_copy_pays_the_copy_latency(qwen):
+    """A larger per-copy latency slows a streaming chunk by its copies' count (the streaming engine binds),
+    and leaves a resident one as it is."""
+    base = load_profile("h200-141g").gpus[0]
+    slow = dataclasses.replace(base, copy_latency_s=base.copy_latency_s + 1e-4)
+    n_cache = qwen.hparams.n_expert * qwen.hparams.n_trunk
+    times = {}
+    for name, gpu in (("base", base), ("slow", slow)):
+        device = _streaming_device(qwen, gpu)
+        for slots in (0, n_cache):
+            streaming = device.chunk_streaming(2048, slots, 8)
+            times[name, slots] = float(device.chunk_s(2048, 2048, 8, 2048, streaming))
+    copies = float(_streaming_device(qwen, base).chunk_streaming(2048, 0, 8).copies)
+    assert copies > 0
+    assert times["slow", 0] - times["base", 0] == pytest.approx(copies * 1e-4, rel=1e-6)
+    assert times["slow", n_cache] == times["base", n_cache]
