@@ -10,8 +10,9 @@ as float4.
 decode family (rows <= MAX_WINDOW, memory-bound): a group of `tg` threads owns `nr` weight rows; its lanes
   read consecutive 16-byte chunks of each row (`load4`: coalesced, `unroll` chunks in flight per lane), decode
   them once into registers, and apply them to every window row (activations read through L1, 16 bytes a
-  load). Each lane's partial sums, in chunk order, meet in a fixed shared-memory tree. A window row's result is computed by the
-  same operations whatever the window holds, and each weight is read once per window.
+  load). Each lane's partial sums, in chunk order, meet in a fixed tree (a warp's shuffles for a 32-lane group,
+  else shared memory). A window row's result is computed by the same operations whatever the window holds, and
+  each weight is read once per window.
 prefill family (compute-bound): a 256-thread block computes a bm x 128 tile (8 x 8 or 4 x 8 register tiles
   per thread) over k in ascending 16-wide steps, no split-k; activations and dequantized float32 weights go
   through double-buffered, 16-byte aligned shared tiles read with 128-bit loads. The tile's rows are a list
@@ -27,7 +28,8 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower import FAMILIES, MAX_WINDOW
-from codegen.lower.cuda import SIMULATOR, aligned16, cuda, launch_kernel, load4, mapped_device_view
+from codegen.lower.cuda import (SIMULATOR, aligned16, cuda, launch_kernel, load4, mapped_device_view, syncwarp,
+                                warp_sum)
 from codegen.lower.weights import KERNEL_TYPES, QUANT_BLOCK
 from codegen.lower.word_formats import FORMATS, Format
 
@@ -138,7 +140,8 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
     dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc): the lane's partial sums
       acc[i, r] of weight row i (rows row_a.. of a, then row_b.. of b; clamped to last_*) with activation
       row xrow[r] of x, r < nx <= window (nothing, not even a load, when nx is 0).
-    reduce(red, g, lane, acc, nx): group g's lanes summed in a fixed tree: totals in red[g, i * window + r, 0].
+    reduce(red, g, lane, acc, nx): group g's lanes summed in a fixed tree: totals in red[g, i * window + r, 0]
+      (for the group's lanes to read; a warp's shuffles when tg is 32, else a shared-memory tree).
     A sum's operations depend on (type, n_in, tg) only: every window and row count gives bitwise the same.
 
     A chunk is 4 words of a row, read in one 16-byte load, and is applied in steps: the words whose values
@@ -161,6 +164,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
     padded = -(-iters // unroll) * unroll
     full = chunks % tg == 0 and iters % unroll == 0
     nw, m = n_a + n_b, cw * vpw
+    sums = nw * window        # a lane's partial sums, one per (weight row, window row)
     step_words = max(1, 4 // vpw)
     steps, step_values = cw // step_words, step_words * vpw
     quads = step_values // 4
@@ -258,7 +262,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                         scale[u, i] = ahead_scale[u, i]
 
     @cuda.jit(device=True, inline=True)
-    def reduce(red, g, lane, acc, nx):
+    def tree_reduce(red, g, lane, acc, nx):
         for i in range(nw):
             for r in range(window):
                 if r < nx:
@@ -273,7 +277,22 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                             red[g, i * window + r, lane] += red[g, i * window + r, lane + stride]
         cuda.syncthreads()
 
-    return dot, reduce
+    @cuda.jit(device=True, inline=True)
+    def warp_reduce(red, g, lane, acc, nx):
+        """tg == 32: the tree's additions (lane l + lane l + stride, strides 16..1) as an xor butterfly of
+        shuffles, which adds the same pairs in the same order, with no block barrier; lane 0's totals."""
+        totals = cuda.local.array(sums, np.float32)
+        for i in range(nw):
+            for r in range(window):
+                totals[i * window + r] = acc[i, r]
+        warp_sum(totals, sums)
+        if lane == 0:
+            for j in range(sums):
+                if j % window < nx:
+                    red[g, j, 0] = totals[j]
+        syncwarp()
+
+    return dot, warp_reduce if tg == 32 else tree_reduce
 
 
 @functools.cache
