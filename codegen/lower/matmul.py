@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
+from codegen.graph import TILE_WEIGHT_ROWS, prefill_tile_rows
 from codegen.lower import FAMILIES, MAX_WINDOW
 from codegen.lower.cuda import (SIMULATOR, aligned16, cuda, launch_kernel, load4, mapped_device_view, syncwarp,
                                 warp_sum)
@@ -336,7 +337,8 @@ def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeS
 # ---------------------------------------------------------------------------------------------------------
 # prefill core
 
-BN = 128        # weight rows of a tile (dense: 128 outputs; SwiGLU: 64 gate + the same 64 up)
+BN = TILE_WEIGHT_ROWS   # weight rows of a tile (dense: 128 outputs; SwiGLU: 64 gate + the same 64 up), the
+#                        geometry the cost model prices (codegen.graph.prefill_tiling)
 BK = 16         # k step
 THREADS = 256   # 16 x 16 threads; a thread's tile rows and columns are two (or one) runs of 4
 PAD = 4         # shared rows padded by 4 floats: fewer bank conflicts on stores, 16-byte aligned rows
@@ -493,11 +495,6 @@ def prefill_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, bm: int):
     return launch
 
 
-def prefill_bm(n_out: int) -> int:
-    """Tile rows: 128 for wide weights; 64 when there are few columns, so a chunk still fills the GPU."""
-    return 128 if n_out >= 4096 else 64
-
-
 # ---------------------------------------------------------------------------------------------------------
 # factories
 
@@ -505,7 +502,7 @@ def prefill_bm(n_out: int) -> int:
 def _dense(family: str, ggml_type, n_in: int, n_out: int, bias: bool, swiglu: bool):
     fmt = check(family, ggml_type, n_in, n_out)
     if family == "prefill":
-        return prefill_kernel(T(ggml_type), n_in, bias, swiglu, prefill_bm(n_out))
+        return prefill_kernel(T(ggml_type), n_in, bias, swiglu, prefill_tile_rows(n_out))
 
     def launch(stream, x, wa, sa, wb, sb, b, out):
         shape = decode_shape(fmt, n_in, n_out, window_rows(x))
