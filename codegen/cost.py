@@ -61,7 +61,7 @@ def is_tiled(node: dict, decode: bool) -> bool:
 def tile_terms(gpu: GPU, tiling: Tiling, tiles):
     """(waves, one tile's FLOPs at an SM's share of the FP32 peak, the weight elements it dequantizes) for a
     node of `tiles` tiles (an array): what `tiled_s` prices and `runtime.calibrate` fits."""
-    waves = np.ceil(np.asarray(tiles, dtype=np.float64) / gpu.sms)
+    waves = -(-tiles // gpu.sms)       # ceil; plain arithmetic serves floats and arrays (the solver's scalars)
     return waves, tiling.tile_flops * gpu.sms / gpu.fp32_flops, TILE_WEIGHT_ROWS * tiling.n_in
 
 
@@ -69,7 +69,7 @@ def tiled_sm_s(fit: KernelFit, waves, peak_s, weight_elements):
     """The busiest SM's time over its `waves` tiles (`tile_terms`): the first at its full time, each further
     one at `fit.further_tile` of it (tiles on an SM overlap)."""
     tile_s = peak_s / fit.efficiency + weight_elements * fit.weight_element_s
-    return np.where(waves > 0, tile_s * (1.0 + fit.further_tile * (waves - 1.0)), 0.0)
+    return tile_s * (1.0 + fit.further_tile * (waves - 1.0)) * (waves > 0)
 
 
 def tiled_s(fit: KernelFit, gpu: GPU, tiling: Tiling, tiles, moved_bytes, launches=1.0):
@@ -77,8 +77,9 @@ def tiled_s(fit: KernelFit, gpu: GPU, tiling: Tiling, tiles, moved_bytes, launch
     bytes at the read bandwidth where those take longer, plus the family's latency. In `launches` launches of
     an even share each (the prefill ring's batches), each launch's grid its share of the tiles; the latency is
     the node's once (what a further launch adds is the profile's `prefill_ring_batch`)."""
-    sm_s = tiled_sm_s(fit, *tile_terms(gpu, tiling, np.asarray(tiles) / launches))
-    return fit.latency_s + launches * np.maximum(sm_s, moved_bytes / launches / gpu.memory_bandwidth_bytes_per_s)
+    sm_s = tiled_sm_s(fit, *tile_terms(gpu, tiling, tiles / launches))
+    bytes_s = moved_bytes / launches / gpu.memory_bandwidth_bytes_per_s
+    return fit.latency_s + launches * 0.5 * (sm_s + bytes_s + abs(sm_s - bytes_s))     # the larger of the two
 
 
 @dataclass
