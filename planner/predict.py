@@ -245,12 +245,13 @@ class DeviceCost:
         compute = cost.dense_s(context, resident, tokens) + cost.n_nodes * g.graph_node_overhead_s + host_kv_s
         if not self.moe_blocks:
             return compute
-        s = streaming
-        compute = compute + s.expert_compute_s + s.touched_read_s + s.streaming_blocks * (s.fill_s + s.issue_s)
-        stream = (s.streamed_bytes / g.host_to_device_bytes_per_s + s.copies * g.copy_latency_s + host_kv_s
-                  + s.streamed_count * s.stall_per_expert_s
-                  + s.streaming_blocks * (cost.block_s(context, resident, tokens) + s.issue_s + s.drain_s))
-        return np.maximum(np.maximum(compute, stream), s.launch_s)
+        ring = streaming
+        compute = (compute + ring.expert_compute_s + ring.touched_read_s
+                   + ring.streaming_blocks * (ring.fill_s + ring.issue_s))
+        stream = (ring.streamed_bytes / g.host_to_device_bytes_per_s + ring.copies * g.copy_latency_s + host_kv_s
+                  + ring.streamed_count * ring.stall_per_expert_s
+                  + ring.streaming_blocks * (cost.block_s(context, resident, tokens) + ring.issue_s + ring.drain_s))
+        return np.maximum(np.maximum(compute, stream), ring.launch_s)
 
     def chunk_streaming(self, tokens: int, cache_slots, ring_slots) -> ChunkStreaming | None:
         """What a chunk of `tokens` positions costs in experts, whatever its context (`ChunkStreaming`).

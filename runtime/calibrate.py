@@ -174,7 +174,7 @@ def sample_s(kernels: Kernels, sample: Sample) -> float:
 
 
 def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
-    """Kernels fitted on this GPU, and the samples behind them: (family, node, roofline s, measured s).
+    """Kernels fitted on this GPU, and the `Sample`s behind them.
     `profile_path` is a profile of this machine with its measured figures (used to plan the calibration model);
     `gpu` the same figures, against which rooflines are taken."""
     from runtime.engine import Engine       # the engine imports the planner and every kernel: only when run
@@ -204,7 +204,7 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
                     ring_batches = time_ring_batches(engine, tokens)
                 if kind == "prefill":
                     note(f"  prefill of {tokens} tokens: {out.prefill_s * 1e3:.1f} ms, its nodes' GPU time "
-                         f"{sum(t[3] for t in timed) * 1e3:.1f} ms")
+                         f"{sum(sample.measured_s for sample in timed) * 1e3:.1f} ms")
                     timed = _with_host_waits(timed, out.prefill_s)
                 samples.extend(timed)
     fits = fit_families(samples)
