@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.graph import EXPERT_TILE_ROWS, moe_groups_length
+from codegen.graph import EXPERT_TILE_ROWS, moe_groups_length, prefill_tiling
 from codegen.lower import MAX_WINDOW, matmul, moe, weights
 from codegen.lower.cuda import cuda, mapped_filled
 from codegen.lower.word_formats import FORMATS
@@ -509,3 +509,22 @@ def test_gpu_moe_qwen3_30b_shape(rng, family):
     from_host = experts.place(np.full(128, -1)).run(family, x, ids, route_w, k=8)
     assert all(np.array_equal(a, b) for a, b in zip(from_slots, from_host))
     assert np.array_equal(from_slots[1], out)
+
+
+@pytest.mark.parametrize("n_in, n_out, rows, swiglu", [(256, 96, 1, False), (256, 4096, 200, False),
+                                                       (512, 130, 65, False), (256, 200, 129, True)])
+def test_prefill_matmul_launches_the_tiles_the_cost_model_prices(monkeypatch, rng, n_in, n_out, rows, swiglu):
+    """The prefill kernel's grid is the tiles codegen.cost prices (codegen.graph.prefill_tiling): one geometry for
+    both (a launch intercepted, nothing runs)."""
+    grids = []
+    monkeypatch.setattr(matmul, "launch_kernel", lambda kernel, grid, *args: grids.append(grid))
+    _, w, _ = packed_weight(rng, T.Q8_0, (n_out, n_in))
+    x, out = cuda.to_device(activations(rng, rows, n_in)), cuda.device_array((rows, n_out), np.float32)
+    if swiglu:
+        matmul.make_swiglu_matmul("prefill", T.Q8_0, n_in, n_out)(0, x, w, w, out)
+    else:
+        matmul.make_matmul("prefill", T.Q8_0, n_in, n_out, False)(0, x, w, cuda.to_device(np.zeros(1, np.float32)), out)
+    node = {"op": "swiglu_matmul" if swiglu else "matmul", "shape": (rows, n_out), "n_in": n_in}
+    tiling = prefill_tiling(node)
+    (grid,) = grids
+    assert grid == (tiling.col_tiles, -(-rows // tiling.tile_rows))
