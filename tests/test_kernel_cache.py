@@ -65,6 +65,17 @@ def test_the_key_changes_with_everything_the_code_depends_on():
     assert None not in others and len({base, *others}) == len(others) + 1
 
 
+def test_the_key_changes_with_the_jit_options():
+    """Two kernels of the same code compiled with different launch bounds are different machine code."""
+    function = _factory()(64, 2.0).py_func
+    options = {"debug": 0, "fastmath": False, "link": (), "extensions": [], "launch_bounds": None}
+    plain = kernel_cache.key(function, ARGS, CC, options)
+    bounded = kernel_cache.key(function, ARGS, CC, {**options, "launch_bounds": (256, 4)})
+    assert None not in (plain, bounded) and plain != bounded
+    assert plain == kernel_cache.key(function, ARGS, CC, dict(reversed(options.items())))
+    assert kernel_cache.key(function, ARGS, CC, {**options, "link": ("kernel.cu",)}) is None   # its contents unread
+
+
 def test_a_kernel_holding_an_unknown_object_gets_no_key():
     opaque = object()
 

@@ -303,7 +303,7 @@ def _kernel_function(kernel, types: tuple):
     """The driver's function for `kernel` at these argument types: from the disk cache, else compiled by numba
     and stored there."""
     capability = cuda.get_current_device().compute_capability
-    entry_key = kernel_cache.key(kernel.py_func, types, capability)
+    entry_key = kernel_cache.key(kernel.py_func, types, capability, kernel.targetoptions)
     stored = kernel_cache.load(entry_key)
     if stored is not None:
         name, cubin = stored

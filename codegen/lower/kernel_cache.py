@@ -7,7 +7,8 @@ depends on:
 - the kernel's Python code, read recursively: its bytecode and constants, the values its closure holds and
   the globals its code names (numbers, enums, named tuples, numpy arrays, and the device functions it calls,
   read the same way);
-- its argument types, the GPU's compute capability, and the Python, numba, numba-cuda and llvmlite versions.
+- its argument types, its jit options (launch bounds, fastmath...), the GPU's compute capability, and the
+  Python, numba, numba-cuda and llvmlite versions.
 
 A kernel whose code holds something this module cannot read (an arbitrary object) gets no key and is compiled
 as before; so does any file that fails to load. Entries are written whole (a temporary file, then a rename),
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-SCHEMA = 1      # bump when the entry format or the key's recipe changes
+SCHEMA = 2      # bump when the entry format or the key's recipe changes
 
 
 class Unreadable(Exception):
@@ -45,15 +46,27 @@ def folder() -> Path | None:
     return Path(base) / "stratum" / "kernels"
 
 
-def key(py_function, argument_types, compute_capability) -> str | None:
-    """The digest naming one compiled kernel, or None when its code cannot be read (see the module's notes)."""
+def key(py_function, argument_types, compute_capability, options: dict | None = None) -> str | None:
+    """The digest naming one compiled kernel, or None when its code or its jit `options` (the dispatcher's
+    targetoptions: launch bounds, fastmath, linked files...) cannot be read (see the module's notes)."""
     parts = [f"schema {SCHEMA}", _toolchain(), f"cc {tuple(compute_capability)}",
              "args " + ", ".join(map(str, argument_types))]
     try:
+        parts.append("options " + ", ".join(f"{name}={_option(value)}"
+                                            for name, value in sorted((options or {}).items())))
         parts.append(_describe(py_function, set()))
     except Unreadable:
         return None
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _option(value) -> str:
+    """A jit option as text: plain values and sequences of them (a linked file would need its contents read)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (tuple, list)) and all(v is None or isinstance(v, (bool, int, float)) for v in value):
+        return repr(tuple(value))
+    raise Unreadable(f"jit option {value!r}")
 
 
 def load(entry_key: str | None) -> tuple[str, bytes] | None:
