@@ -90,7 +90,7 @@ def text_prompts(rng):
 def traced_histogram(profile: Path, card: Path, tensors, prompts: int, new_tokens: int, prompt, tokens: int,
                      context: int, lengths) -> tuple:
     """(the routing counts of `prompts` prompts of `tokens` tokens (from `prompt(n)`) served by a resident
-    engine planned for the longest of `lengths`, the text of `compare_passes`'s table on that engine)."""
+    engine planned for the longest of `lengths`, `compare_passes`'s (text, samples) on that engine)."""
     workload = Workload(prompts=((max(lengths), 1.0),), decode_tokens=new_tokens)
     plan = solve(profile, card, context=context, kv="f16", workload=workload, mtp=False)
     with Engine(plan, card, tensors=tensors, progress=False) as engine:
@@ -103,13 +103,15 @@ def traced_histogram(profile: Path, card: Path, tensors, prompts: int, new_token
     return tuple(map(tuple, counts)), comparison
 
 
-def compare_passes(engine, profile: Path, prompt, lengths) -> str:
+def compare_passes(engine, profile: Path, prompt, lengths) -> tuple[str, list]:
     """The engine's prefill of one chunk of each of `lengths` (those within its chunk), and a decode step after
     it, against the profile's calibration, node family by family (GPU time between events; decode's less the
     events' own cost), and the prefill's wall time: where the prediction of a resident pass parts from it.
-    Printed, and returned as text (the summary repeats it)."""
+    Printed, and returned as (text, every timed node as a `runtime.calibrate.Sample` dict with its pass and
+    tokens): the summary repeats the text, `--json` keeps the nodes, so a model's fits can be redone offline
+    on this model's kernels too."""
     gpu = load_profile(profile).gpus[0]
-    lines = []
+    lines, nodes = [], []
     for tokens in sorted(n for n in lengths if n <= engine.chunk_tokens):
         for kind in ("prefill", "decode"):
             # each pass timed right after requests that ran it: passes share the arena, so another pass's
@@ -117,6 +119,7 @@ def compare_passes(engine, profile: Path, prompt, lengths) -> str:
             for _ in range(2):
                 out = engine.generate(prompt(tokens), 2)
             timed = timed_nodes(engine, gpu, kind, tokens if kind == "prefill" else 1, tokens)
+            nodes += [{"pass": kind, "tokens": tokens, **sample._asdict()} for sample in timed]
             what = (f"prefill of {tokens} tokens (one chunk), resident: {out.prefill_s * 1e3:.1f} ms wall"
                     if kind == "prefill" else f"a decode step after {tokens} tokens")
             lines += [f"{what}, nodes' GPU time {sum(t.measured_s for t in timed) * 1e3:.3f} ms", "",
@@ -126,7 +129,7 @@ def compare_passes(engine, profile: Path, prompt, lengths) -> str:
             lines.append("")
     text = "\n".join(lines)
     print(text)
-    return text
+    return text, nodes
 
 
 def main():
@@ -142,7 +145,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--trace-prompts", type=int, default=4, help="prompts of 1024 tokens the trace serves")
     parser.add_argument("--no-trace", action="store_true", help="plan with the default skew, not a trace")
-    parser.add_argument("--json", help="also write the rows here (and the trace's histogram beside them, .trace.json)")
+    parser.add_argument("--json", help="also write the rows here (beside them: the trace's histogram, .trace.json, "
+                        "and the resident passes' timed nodes, .nodes.json)")
     args = parser.parse_args()
     ceilings, _ = measure_links()
     rng = np.random.default_rng(0)
@@ -162,7 +166,7 @@ def main():
             resident = budget_profile(Path(args.profile), 141, args.layers, folder)
             lengths = args.prompts or PROMPTS
             what = f"{CARD} shape, {args.layers} blocks, random prompts"
-        histogram, comparison = (None, None) if args.no_trace else traced_histogram(
+        histogram, (comparison, nodes) = (None, (None, [])) if args.no_trace else traced_histogram(
             resident, card, tensors, args.trace_prompts, args.new_tokens, prompt, trace_tokens, context, lengths)
         for label, profile in budgets:
             for tokens in lengths:
@@ -188,6 +192,8 @@ def main():
         if histogram is not None:       # the trace the plans were solved from: they can be re-planned offline
             trace = Path(args.json).with_suffix(".trace.json")
             trace.write_text(json.dumps({"expert_popularity": {"histogram": histogram}}))
+        if nodes:       # the resident passes' nodes, timed: this model's own calibration samples
+            Path(args.json).with_suffix(".nodes.json").write_text(json.dumps(nodes, indent=1))
 
 
 if __name__ == "__main__":
