@@ -268,7 +268,10 @@ class ExpertStore:
         """Compute a chunk's routed experts of one block: run_batch(lo, hi, tiles) for each batch (tiles: its
         `range_tiles` from the routing), its experts copied into the ring first (on the copy stream, waiting
         until compute is done with that half)."""
-        table, batches = self.prefill_batches(block, np.unique(ids))
+        # the experts the chunk needs, ascending: a bincount, not np.unique's sort (0.33 ms for 2048 x 8 ids,
+        # while the GPU waits for this block's batches)
+        table, batches = self.prefill_batches(block, np.flatnonzero(np.bincount(ids.reshape(-1),
+                                                                                minlength=self.n_expert)))
         tiles = range_tiles(ids, self.n_expert, [lo for lo, *_ in batches] + [self.n_expert])
         index = self.blocks.index(block)
         self.count_routed(block, ids)
