@@ -139,8 +139,8 @@ class PassCost:
     def _tiled_matmuls_s(self, tokens, per_block: bool):
         total = 0.0
         for tiling, activations, weights, block_index, fit in self.tiled:
-            tiles = -(-tokens // tiling.tile_rows) * tiling.col_tiles
-            seconds = tiled_s(fit, self.gpu, tiling, tiles, activations * tokens / self.tokens + weights)
+            moved = activations * tokens / self.tokens + weights
+            seconds = tiled_s(fit, self.gpu, tiling, tiling.tiles(tokens), moved)
             if per_block:
                 total += float(seconds[block_index]) if block_index is not None else 0.0
             else:
@@ -258,7 +258,7 @@ def node_tiles(graph: nx.DiGraph, name: str, tile_rows_per_pair: float = 1.0):
     rows = node["shape"][0]
     if "expert_layer" in node:
         return tiling, float(expert_node_tiles(tiling, rows, tile_rows_per_pair))
-    return tiling, -(-rows // tiling.tile_rows) * tiling.col_tiles
+    return tiling, tiling.tiles(rows)
 
 
 def measured_tile_rows_per_pair(ids: np.ndarray, n_expert: int) -> float:

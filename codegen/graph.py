@@ -52,6 +52,12 @@ def prefill_tile_rows(n_out: int) -> int:
     return 128 if n_out >= 4096 else 64
 
 
+def tile_cols(gated: bool) -> int:
+    """The outputs a prefill matmul tile computes: its TILE_WEIGHT_ROWS weight rows, or half of them when they
+    are a SwiGLU's gate and up rows for the same outputs."""
+    return TILE_WEIGHT_ROWS // 2 if gated else TILE_WEIGHT_ROWS
+
+
 class Tiling(NamedTuple):
     """How the prefill family's kernel tiles a node (`codegen.lower.matmul`, `codegen.lower.moe`)."""
     tile_rows: int      # activation rows (routed experts: pair rows) of a tile
@@ -62,13 +68,16 @@ class Tiling(NamedTuple):
     def tile_flops(self) -> float:
         return 2.0 * self.tile_rows * TILE_WEIGHT_ROWS * self.n_in
 
+    def tiles(self, rows: int) -> int:
+        """A dense node's tiles over `rows` activation rows (the kernel's grid)."""
+        return -(-rows // self.tile_rows) * self.col_tiles
+
 
 def prefill_tiling(node: dict) -> Tiling:
     """The tiles of a prefill-family matmul node (op in TILED_OPS) for any rows: ceil(rows / tile_rows) of them
     down its rows (a routed expert's: ceil(pairs / EXPERT_TILE_ROWS) each), col_tiles across."""
     n_out = node["shape"][1]
-    gated = node["op"] in ("swiglu_matmul", "moe_swiglu_matmul")
-    cols = TILE_WEIGHT_ROWS // 2 if gated else TILE_WEIGHT_ROWS
+    cols = tile_cols(node["op"] in ("swiglu_matmul", "moe_swiglu_matmul"))
     rows = EXPERT_TILE_ROWS if "expert_layer" in node else prefill_tile_rows(n_out)
     return Tiling(rows, -(-n_out // cols), node["n_in"])
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from codegen.cost import (fitted_s, kernel_family, measured_tile_rows_per_pair, node_roofline_s, node_tiles,
-                          tile_terms, tiled_s, tiled_sm_s)
+                          tile_terms, tiled_sm_s)
 from codegen.graph import prefill_tiling
 from codegen.lower.cuda import CapturedGraph, cuda
 from codegen.lower.moe import range_tiles
@@ -244,8 +244,8 @@ def ring_batch_s(measured: RingBatches, gpu: GPU, experts: KernelFit) -> float:
     split_s = 0.0
     for tiling in measured.tilings:
         tiles = np.asarray(measured.range_tiles, float) * tiling.col_tiles
-        split_s += float(np.sum(tiled_s(experts, gpu, tiling, tiles, 0.0) - experts.latency_s)
-                         - (tiled_s(experts, gpu, tiling, tiles.sum(), 0.0) - experts.latency_s))
+        split_s += float(np.sum(tiled_sm_s(experts, *tile_terms(gpu, tiling, tiles)))
+                         - tiled_sm_s(experts, *tile_terms(gpu, tiling, tiles.sum())))
     return max(0.0, (measured.batched_s - measured.once_s - split_s) / (len(measured.range_tiles) - 1))
 
 

@@ -527,4 +527,4 @@ def test_prefill_matmul_launches_the_tiles_the_cost_model_prices(monkeypatch, rn
     node = {"op": "swiglu_matmul" if swiglu else "matmul", "shape": (rows, n_out), "n_in": n_in}
     tiling = prefill_tiling(node)
     (grid,) = grids
-    assert grid == (tiling.col_tiles, -(-rows // tiling.tile_rows))
+    assert grid[0] == tiling.col_tiles and grid[0] * grid[1] == tiling.tiles(rows)

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.graph import TILE_WEIGHT_ROWS, prefill_tile_rows
+from codegen.graph import TILE_WEIGHT_ROWS, prefill_tile_rows, tile_cols
 from codegen.lower import FAMILIES, MAX_WINDOW
 from codegen.lower.cuda import (SIMULATOR, aligned16, cuda, launch_kernel, load4, mapped_device_view, syncwarp,
                                 warp_sum)
@@ -458,7 +458,7 @@ def prefill_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, bm: int):
     tile = prefill_core(ggml_type, n_in, bm)
     tm = bm // 16
     hm = tm // 4
-    cols = BN // 2 if swiglu else BN
+    cols = tile_cols(swiglu)
     x_tile, w_tile = (2, BK, bm + PAD), W_TILE
 
     @cuda.jit

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.graph import EXPERT_TILE_ROWS, expert_tiles
+from codegen.graph import EXPERT_TILE_ROWS, expert_tiles, tile_cols
 from codegen.lower.cuda import SIMULATOR, cuda, launch_kernel
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
                                   check, check_aligned, decode_core, prefill_core, silu, window_rows, words)
@@ -349,7 +349,7 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
     bm = EXPERT_TILE_ROWS
     tile = prefill_core(ggml_type, n_in, bm)
     tm = bm // 16
-    cols = BN if down else BN // 2
+    cols = tile_cols(not down)
     pairs_at = n_expert + 1                        # the pairs list's start in the groups buffer
 
     @cuda.jit
