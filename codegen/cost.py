@@ -36,18 +36,31 @@ MATMUL_OPS = ("matmul", "swiglu_matmul")
 ATTENTION_OPS = ("attention", "attention_combine")
 
 
-def kernel_family(node: dict, decode: bool) -> str:
+def kernel_family(node: dict, decode: bool, in_l2: bool = False) -> str:
     """The `planner.profile.Kernels` field that prices a node: its kind's, in the decode or the prefill family
-    (the pass's, or the node's own `family`)."""
-    decode = decode or node.get("family") == "decode"
+    (the pass's, or the node's own `family`); a decode pass's `decode_l2_*` when its model's weights stay in
+    L2 (`in_l2`, `decode_in_l2`)."""
     kind = ("experts" if "expert_layer" in node else "matmul" if node["op"] in MATMUL_OPS
             else "attention" if node["op"] in ATTENTION_OPS else "grouping" if node["op"] == "moe_groups"
             else "small")
-    return f"{'decode' if decode else 'prefill'}_{kind}"
+    if decode:
+        return f"decode_l2_{kind}" if in_l2 else f"decode_{kind}"
+    return f"{'decode' if node.get('family') == 'decode' else 'prefill'}_{kind}"
 
 
-def kernel_fit(gpu: GPU, node: dict, decode: bool) -> KernelFit:
-    return getattr(gpu.kernels, kernel_family(node, decode))
+def kernel_fit(gpu: GPU, node: dict, decode: bool, in_l2: bool = False) -> KernelFit:
+    return getattr(gpu.kernels, kernel_family(node, decode, in_l2))
+
+
+def decode_in_l2(model, blocks, gpu: GPU) -> bool:
+    """Whether every weight a device's decode steps read (its trunk `blocks`' dense and routed experts, the
+    embedding, head and drafter) fits in its L2 cache at once: a step then reads them from L2, where the
+    previous step left them (the 25 MB demo model on the H200's 60 MiB). The K/V is left out: at such a model's
+    contexts it is a few MB."""
+    blocks = set(blocks)
+    read_bytes = sum(t.n_bytes for t in model.tensors
+                     if (layer := tensor_layer(t.name)) is None or layer in blocks or layer >= model.hparams.n_trunk)
+    return 0 < read_bytes <= gpu.l2_bytes
 
 
 def fitted_s(fit: KernelFit, roofline_s):
@@ -162,10 +175,12 @@ class PassCost:
                 + self.attention_s(context_tokens, resident_tokens, per_block=True, tokens=tokens))
 
 
-def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = (True, True)) -> PassCost:
+def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = (True, True),
+              in_l2: bool = False) -> PassCost:
     """Cost of `graph` run over trunk `blocks` (plus the drafter's block where the graph has it).
 
     with_globals: (runs the embedding, runs the output head), for a device holding part of the blocks.
+    in_l2: a decode pass's weights stay in L2 (`decode_in_l2`): priced by the `decode_l2_*` families.
     """
     hp = model.hparams
     represented = {}            # representative block -> the blocks it stands for
@@ -173,7 +188,8 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
         represented.setdefault(representative_of(hp, block), []).append(block)
     cost = PassCost(gpu=gpu, tokens=graph.graph["tokens"])
     decode = graph.graph["kind"] != "prefill"
-    cost.expert_efficiency = (gpu.kernels.decode_experts if decode else gpu.kernels.prefill_experts).efficiency
+    cost.expert_efficiency = (gpu.kernels.decode_l2_experts if decode and in_l2 else gpu.kernels.decode_experts
+                              if decode else gpu.kernels.prefill_experts).efficiency
     for name, node in graph.nodes(data=True):
         if node["op"] == "input":
             continue
@@ -187,7 +203,7 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
             continue
         activations = activation_bytes(graph, name)
         cost.n_nodes += len(stands_for)
-        fit = kernel_fit(gpu, node, decode)
+        fit = kernel_fit(gpu, node, decode, in_l2)
         if node["op"] == "attention":
             moved = activations + node["weight_bytes"]
             cost.attention.append((node["flops"], node["flops_per_context_token"], moved, node["kv_read"],

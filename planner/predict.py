@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from codegen.cost import expected_tile_rows_per_pair, pass_cost
+from codegen.cost import decode_in_l2, expected_tile_rows_per_pair, pass_cost
 from codegen.graph import build_pass, representative_layers
 from planner.kv import KVType
 from planner.profile import GPU
@@ -130,8 +130,13 @@ class DeviceCost:
             draft = kind == "draft"     # the NextN block alone, on the GPU that holds the head
             self._memo[key] = pass_cost(self.graph(kind, tokens), self.gpu, self.model,
                                         () if draft else self.share.blocks,
-                                        (False, True) if draft else (self.share.first, self.share.last))
+                                        (False, True) if draft else (self.share.first, self.share.last),
+                                        in_l2=kind != "prefill" and self.decode_in_l2)
         return self._memo[key]
+
+    @cached_property
+    def decode_in_l2(self) -> bool:
+        return decode_in_l2(self.model, self.share.blocks, self.gpu)
 
     # --- expert tables ---------------------------------------------------------------------------------
     def _table(self, per_expert: np.ndarray, in_bytes: bool = True) -> SlotTable:

@@ -28,6 +28,7 @@ _GPU_FIELDS = {
     "copy_latency": (parse_seconds, "10 us"),
     "graph_node_overhead": (parse_seconds, "1 us"),
     "kernel_launch": (parse_seconds, "25 us"),
+    "l2": (parse_bytes, "0 B"),
 }
 _HOST_FIELDS = {
     "ram": (parse_bytes, None),
@@ -57,12 +58,21 @@ class Kernels:
     `*_grouping` is the routed pairs' grouping by expert (one thread block: it follows no roofline), `*_small`
     every other kernel (norms, RoPE, adds, top-k, K/V store, embedding, argmax); `prefill_ring_batch` (a
     latency only) what a batch of the prefill ring adds to its block's routed experts beyond their one launch
-    and beyond its tiles' cost."""
+    and beyond its tiles' cost. `decode_l2_*` price the decode families for a model whose weights fit in the
+    GPU's L2 cache (`codegen.cost.decode_in_l2`): its steps re-read them from L2, not device memory, and each
+    of its kernels' dependent loads waits for L2 (BENCHMARKS.md: a 4-block 512-wide model's decode nodes take
+    about half the time of the 2048-wide calibration model's); a profile that leaves one out gives it its
+    `decode_*` family's fit."""
     decode_matmul: KernelFit = KernelFit()
     decode_attention: KernelFit = KernelFit()
     decode_experts: KernelFit = KernelFit()
     decode_grouping: KernelFit = KernelFit()
     decode_small: KernelFit = KernelFit()
+    decode_l2_matmul: KernelFit = KernelFit()
+    decode_l2_attention: KernelFit = KernelFit()
+    decode_l2_experts: KernelFit = KernelFit()
+    decode_l2_grouping: KernelFit = KernelFit()
+    decode_l2_small: KernelFit = KernelFit()
     prefill_matmul: KernelFit = KernelFit()
     prefill_attention: KernelFit = KernelFit()
     prefill_experts: KernelFit = KernelFit()
@@ -73,6 +83,8 @@ class Kernels:
 
 KERNEL_FAMILIES = tuple(f.name for f in fields(Kernels))
 TILED_FAMILIES = ("prefill_matmul", "prefill_experts")
+L2_FAMILIES = {f"decode_l2_{kind}": f"decode_{kind}" for kind in ("matmul", "attention", "experts", "grouping",
+                                                                   "small")}   # each -> the family it defaults to
 
 
 def _rounded(value):
@@ -100,6 +112,7 @@ class GPU:
     copy_latency_s: float                 # fixed cost of one async copy before bytes flow
     graph_node_overhead_s: float          # one kernel node replayed from a CUDA graph
     kernel_launch_s: float                # host time of one kernel launch (or copy) issued from Python
+    l2_bytes: int = 0                     # L2 cache: a model whose weights fit decodes from it (0: none counted)
     kernels: Kernels = Kernels()          # this project's kernels measured on this GPU (default: the roofline)
 
     @property
@@ -198,12 +211,12 @@ def _parse_gpu(doc, source: str, where: str) -> GPU:
                host_to_device_bytes_per_s=v["host_to_device"], device_to_host_bytes_per_s=v["device_to_host"],
                zero_copy_read_bytes_per_s=v["zero_copy_read"], copy_latency_s=v["copy_latency"],
                graph_node_overhead_s=v["graph_node_overhead"], kernel_launch_s=v["kernel_launch"],
-               kernels=_parse_kernels(doc.get("kernels", {}), source, where + ".kernels"))
+               l2_bytes=v["l2"], kernels=_parse_kernels(doc.get("kernels", {}), source, where + ".kernels"))
 
 
 def _parse_kernels(doc, source: str, where: str) -> Kernels:
     """`kernels: {family: {efficiency: 0.58, latency: 7 us}, ...}` (a tiled family may add `weight_element` and
-    `further_tile`); a family left out keeps the roofline."""
+    `further_tile`); a family left out keeps the roofline, a `decode_l2_*` one its `decode_*` family's fit."""
     if not isinstance(doc, dict):
         raise StratumError("expected a mapping of kernel families", source=source, field=where)
     _refuse_unknown(doc, set(KERNEL_FAMILIES), source, where + ".")
@@ -222,6 +235,9 @@ def _parse_kernels(doc, source: str, where: str) -> Kernels:
         weight_element = (parse_seconds(fit["weight_element"], source=source, field=at + ".weight_element")
                           if "weight_element" in fit else 0.0)
         fits[family] = KernelFit(efficiency, latency, weight_element, further)
+    for family, fallback in L2_FAMILIES.items():
+        if family not in fits and fallback in fits:
+            fits[family] = fits[fallback]
     return Kernels(**fits)
 
 

@@ -16,6 +16,11 @@ matrices 512 to 4096 wide and its nodes of one to 39 waves tell a tile's FLOPs f
 and a first tile from a further one. `prefill_ring_batch` is measured directly (`time_ring_batches`,
 `ring_batch_s`): what a block's routed experts cost, launched in the prefill ring's batches, beyond their one
 launch and beyond what the batches' smaller grids cost by the tile model.
+
+The `decode_l2_*` families (a model whose weights fit in L2, `codegen.cost.decode_in_l2`) come from a second,
+small model of the same architecture (SMALL_SHAPE: 512 wide, 32 experts of width 128, 4 blocks; about 30 MB)
+decoding after SMALL_CONTEXTS positions: its steps re-read their weights from L2, and its nodes take about half
+the 2048-wide model's time (BENCHMARKS.md). A GPU whose L2 cannot hold it gives them the `decode_*` fits.
 """
 
 import itertools
@@ -27,14 +32,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from codegen.cost import (fitted_s, kernel_family, measured_tile_rows_per_pair, node_roofline_s, node_tiles,
+from codegen.cost import (decode_in_l2, fitted_s, kernel_family, measured_tile_rows_per_pair, node_roofline_s, node_tiles,
                           tile_terms, tiled_sm_s)
 from codegen.graph import prefill_tiling
 from codegen.lower.cuda import CapturedGraph, cuda
 from codegen.lower.moe import range_tiles
 from planner.architecture import tensor_layer
 from planner.kv_lending import needed_pages
-from planner.profile import GPU, TILED_FAMILIES, KernelFit, Kernels
+from planner.model import load_model
+from planner.profile import GPU, L2_FAMILIES, TILED_FAMILIES, KernelFit, Kernels
 from planner.search import PAGE_TOKENS, solve
 from planner.workload import Workload
 from runtime.ceilings import time_s
@@ -47,6 +53,10 @@ LONG_CONTEXT_TOKENS = 16384  # decode steps timed at two contexts, 2048 and this
 REPEATS = 15
 RING_BATCH_EXPERTS = 4      # experts a batch of `ring_batch_s` (half of an 8-slot ring, the bundled cards' depth)
 FURTHER_TILE_GRID = np.linspace(0.5, 1.0, 51)   # the further-tile fractions `fit_tiled` tries
+SMALL_SHAPE = {"embedding_length": 512, "expert_feed_forward_length": 128, "expert_count": 32,
+               "expert_used_count": 4, "attention.head_count": 8, "attention.head_count_kv": 2,
+               "attention.key_length": 64, "attention.value_length": 64, "vocab_size": 4096}
+SMALL_CONTEXTS = (512, 4096)     # decode attention's time grows with the context: two tell its two terms
 
 
 class Sample(NamedTuple):
@@ -207,7 +217,11 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
                          f"{sum(sample.measured_s for sample in timed) * 1e3:.1f} ms")
                     timed = _with_host_waits(timed, out.prefill_s)
                 samples.extend(timed)
+        (Path(folder) / "small").mkdir()
+        samples.extend(l2_samples(profile_path, gpu, Path(folder) / "small", note))
     fits = fit_families(samples)
+    for family, fallback in L2_FAMILIES.items():
+        fits.setdefault(family, fits[fallback])
     counts = defaultdict(int)
     for sample in samples:
         counts[sample.family] += 1
@@ -281,6 +295,33 @@ def time_ring_batches(engine, tokens: int) -> RingBatches:
     return RingBatches(once_s, batched_s, [int(tiles) for *_range, tiles in batched], tilings)
 
 
+def l2_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) -> list:
+    """The `decode_l2_*` families' samples: decode steps of the SMALL_SHAPE model, whose weights fit in this
+    GPU's L2, after each of SMALL_CONTEXTS positions (none, with a note, on a GPU whose L2 cannot hold it)."""
+    from runtime.engine import Engine
+
+    card = reduced_card(CALIBRATION_BLOCKS, folder, metadata=SMALL_SHAPE)
+    model = load_model(card)
+    if not decode_in_l2(model, range(model.hparams.n_trunk), gpu):
+        note(f"  the small model's {model.total_bytes / 2**20:.0f} MiB do not fit in this GPU's "
+             f"{gpu.l2_bytes / 2**20:.0f} MiB of L2: the decode_l2_* families take the decode_* fits")
+        return []
+    context = max(SMALL_CONTEXTS) + PAGE_TOKENS
+    plan = solve(profile_path, card, context=context, kv="f16",
+                 workload=Workload(prompts=((max(SMALL_CONTEXTS), 1.0),), decode_tokens=8),
+                 pins={"kv_pages": int(needed_pages(context, PAGE_TOKENS))})
+    note(f"small model (decode from L2): {model.total_bytes / 2**20:.0f} MiB, decode after "
+         f"{' and '.join(map(str, SMALL_CONTEXTS))} positions")
+    rng = np.random.default_rng(0)
+    samples = []
+    with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine:
+        for tokens in SMALL_CONTEXTS:
+            for _ in range(2):
+                engine.generate(rng.integers(0, engine.hp.n_vocab, size=tokens).tolist(), 2)
+            samples.extend(timed_nodes(engine, gpu, "decode", 1, tokens, in_l2=True))
+    return samples
+
+
 def _with_host_waits(timed: list, wall_s: float) -> list:
     """A prompt's wall time beyond its nodes' GPU time, spread over its routed-expert nodes: prefill waits for
     the host once a MoE block (the routing read back, the ring's batches worked out and launched), and those
@@ -291,9 +332,10 @@ def _with_host_waits(timed: list, wall_s: float) -> list:
             for i, sample in enumerate(timed)]
 
 
-def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int) -> list:
+def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int, in_l2: bool = False) -> list:
     """A `Sample` of every node of the engine's `kind` pass over `tokens` rows (a prefill pass's routed-expert
-    nodes computing the tiles of the routing the engine last read back)."""
+    nodes computing the tiles of the routing the engine last read back), a decode pass's in the `decode_l2_*`
+    families if `in_l2`."""
     program = engine._program(kind, tokens)
     steps = program.steps
     decode = kind == "decode"
@@ -307,7 +349,7 @@ def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int) -> list:
     for step, measured in zip(steps, times):
         rows = tile_rows.get(tensor_layer(step.name), 1.0)
         tiled = node_tiles(program.graph, step.name, rows)
-        samples.append(Sample(kernel_family(program.graph.nodes[step.name], decode), step.name,
+        samples.append(Sample(kernel_family(program.graph.nodes[step.name], decode, in_l2), step.name,
                               node_roofline_s(program.graph, step.name, gpu, engine.model, context + decode, rows),
                               float(measured), None if tiled is None else
                               tuple(float(term) for term in tile_terms(gpu, *tiled))))

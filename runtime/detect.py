@@ -37,7 +37,9 @@ def detect(path: Path, name: str | None = None, calibrate: bool = True, samples:
     gpu_name = device_name()
     started = time.perf_counter()
     free_bytes, total_bytes = cuda.current_context().get_memory_info()
-    note(f"{gpu_name}: {total_bytes / 2**30:.1f} GiB, {free_bytes / 2**30:.1f} GiB free")
+    device = cuda.get_current_device()
+    note(f"{gpu_name}: {total_bytes / 2**30:.1f} GiB, {free_bytes / 2**30:.1f} GiB free, "
+         f"{device.L2_CACHE_SIZE / 2**20:.0f} MiB of L2")
     figures = {}
     for field, what, measure, unit, scale in (
             ("memory_bandwidth", "device read bandwidth", ceilings.read_bandwidth_bytes_per_s, "GB/s", 1e9),
@@ -58,15 +60,15 @@ def detect(path: Path, name: str | None = None, calibrate: bool = True, samples:
         "name": name or path.stem,
         "description": f"{gpu_name}, measured by stratum profile --detect on {time.strftime('%Y-%m-%d')}: "
                        "every figure is this machine's, the kernels block this project's kernels on it.",
-        "gpus": [{"name": gpu_name, "vram": f"{total_bytes} B", "sms": cuda.get_current_device().MULTIPROCESSOR_COUNT,
-                  "reserved": f"{reserved_bytes} B", **figures}],
+        "gpus": [{"name": gpu_name, "vram": f"{total_bytes} B", "sms": device.MULTIPROCESSOR_COUNT,
+                  "reserved": f"{reserved_bytes} B", "l2": f"{device.L2_CACHE_SIZE} B", **figures}],
         "host": {"ram": f"{ram_bytes} B", "pinned_budget": f"{int(ram_bytes * PINNED_SHARE)} B"},
     }
     _write(path, document)
     if calibrate:
         from runtime.calibrate import calibrate as fit_kernels
-        note("calibrating this project's kernels (a Qwen3-30B-A3B-shaped model of 4 blocks; the first run "
-             "compiles its kernels, a minute or two)")
+        note("calibrating this project's kernels (a Qwen3-30B-A3B-shaped model of 4 blocks, then a small model "
+             "of its architecture; the first run compiles their kernels, two or three minutes)")
         with tempfile.TemporaryDirectory() as folder:
             measured = Path(folder) / "measured.yaml"
             _write(measured, document)

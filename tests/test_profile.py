@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from planner.errors import StratumError
-from planner.profile import bundled_profiles, load_profile
+from planner.profile import KernelFit, bundled_profiles, load_profile
 
 BUNDLED = [
     "h200-141g",
@@ -306,6 +306,20 @@ def test_kernel_calibration_reads_back_and_a_family_left_out_is_the_roofline(tmp
     roofline = load_profile(write(tmp_path, variant(kernels={"prefill_small": {"efficiency": 1, "latency": "0 us"}}),
                                   "roofline.yaml"))
     assert roofline.fingerprint == plain.fingerprint != calibrated.fingerprint
+
+
+def test_an_l2_family_left_out_takes_its_decode_familys_fit(tmp_path, rng):
+    """`decode_l2_*` (a model whose weights fit in `l2`) default to the `decode_*` fits, not the roofline; one
+    given is its own; `l2` reads in bytes and defaults to none."""
+    decode = {"efficiency": round(float(rng.uniform(0.05, 1.0)), 3), "latency": f"{rng.uniform(0.5, 20):.2f} us"}
+    in_l2 = {"efficiency": 1.0, "latency": f"{rng.uniform(0.5, 5):.2f} us"}
+    gpu = load_profile(write(tmp_path, variant(l2="48 MiB", kernels={
+        "decode_matmul": decode, "decode_small": decode, "decode_l2_small": in_l2}))).gpus[0]
+    assert gpu.l2_bytes == 48 << 20
+    assert gpu.kernels.decode_l2_matmul == gpu.kernels.decode_matmul != KernelFit()
+    assert gpu.kernels.decode_l2_small != gpu.kernels.decode_small
+    assert gpu.kernels.decode_l2_small.latency_s == pytest.approx(float(in_l2["latency"].split()[0]) * 1e-6)
+    assert load_profile(write(tmp_path, DOC, "plain.yaml")).gpus[0].l2_bytes == 0
 
 
 def test_fp16_defaults_to_fp32(tmp_path):
