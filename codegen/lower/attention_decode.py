@@ -19,7 +19,7 @@ At the row's end each warp adds its lanes' sums of exp (`warp_sum`, a fixed butt
 are merged in warp order into
 partials f32 (rows, n_head, ATTENTION_SPLITS, dv + 2) = (max, sum of exp, weighted V sum); a split that
 reached no tile writes (-inf, 0, 0). `codegen.lower.attention_combine` merges the splits, or, with `fold`
-(the benchmark's v6, not yet in the runtime), the kernel does: after writing its partial a block counts
+(the benchmark's v6, measured slower than v5 + combine and not in the runtime: BENCHMARKS.md), the kernel does: after writing its partial a block counts
 itself in its group's int32 counter (splits 8g..8g + 7, MERGE_FAN); the group's last block zeroes the
 counter and merges the 8 in split order into slot 8g, then counts itself in the groups' counter, whose last
 block merges slots 0, 8, .. 56 in order into the output. The order is fixed whichever block finishes last,
@@ -441,7 +441,7 @@ def make_decode_attention(kv_type_name, n_head: int, n_head_kv: int, head_dim_k:
     already stored (a page from its slot, or from `host_pages`, the whole context in mapped host memory, where
     the table says -1); partials f32 (rows, n_head, ATTENTION_SPLITS, dv + 2). `codegen.lower.attention.
     make_attention` checks the arguments. `warps`: a block's (`block_warps` by default; others are for the
-    benchmark's sweep). fold (the benchmark's v6, not yet in the runtime: BENCHMARKS.md): the kernel's last
+    benchmark's sweep). fold (the benchmark's v6, measured slower, not in the runtime: BENCHMARKS.md): the kernel's last
     blocks also merge the splits into out f32 (rows, n_head*dv), counting in counters int32
     (`counter_words(n_head_kv)`,), zero before and after (slots 0, 8, .. 56 of partials end up holding the
     groups' merges); without, out and counters are not taken and `codegen.lower.attention_combine` merges."""
