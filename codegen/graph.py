@@ -110,10 +110,14 @@ class _Builder:
             self.graph.add_edge(source, name)
         return name
 
-    def matmul(self, name: str, x: str, weight: str, rows: int, n_in: int, n_out: int, **attrs) -> str:
-        weights = (f"{weight}.weight", f"{weight}.bias")   # the bias, where there is one, is fused
-        return self.op(name, "matmul", [x], (rows, n_out), flops=2.0 * rows * n_in * n_out, weights=weights,
-                       n_in=n_in, **attrs)
+    def matmul(self, name: str, x: str, weight: str, rows: int, n_in: int, n_out: int, residual: str | None = None,
+               **attrs) -> str:
+        """x @ weight.T (+ its bias, fused); with `residual`, added in place to that tensor (the residual
+        stream: the add is the kernel's epilogue)."""
+        weights = (f"{weight}.weight", f"{weight}.bias")
+        return self.op(name, "matmul", [x] + ([residual] if residual else []), (rows, n_out),
+                       flops=2.0 * rows * n_in * n_out + (rows * n_out if residual else 0), weights=weights,
+                       n_in=n_in, inplace=residual, **attrs)
 
     def norm(self, name: str, x: str, weight: str, rows: int) -> str:
         e = self.hp.n_embd
@@ -129,15 +133,15 @@ class _Builder:
         q = self.matmul(p + "q", h, p + "attn_q", rows, e, q_dim)
         k = self.matmul(p + "k", h, p + "attn_k", rows, e, k_dim)
         v = self.matmul(p + "v", h, p + "attn_v", rows, e, v_dim)
-        if hp.architecture == "qwen3moe":
-            q = self.op(p + "q_norm", "head_rmsnorm", [q], (rows, q_dim), flops=4.0 * rows * q_dim,
-                        weights=(p + "attn_q_norm.weight",), inplace=q)
-            k = self.op(p + "k_norm", "head_rmsnorm", [k], (rows, k_dim), flops=4.0 * rows * k_dim,
-                        weights=(p + "attn_k_norm.weight",), inplace=k)
+        # qwen3moe (and a glm4moe that has the weights) norms each head of q and k before the rotation: one
+        # kernel does both (codegen.lower.pointwise)
+        qk_norm = p + "attn_q_norm.weight" in self.bytes
         q = self.op(p + "q_rope", "rope", [q, "positions"], (rows, q_dim),
-                    flops=6.0 * rows * hp.n_head * hp.n_rot // 2, inplace=q)
+                    flops=6.0 * rows * hp.n_head * hp.n_rot // 2 + (4.0 * rows * q_dim if qk_norm else 0),
+                    weights=(p + "attn_q_norm.weight",) if qk_norm else (), inplace=q)
         k = self.op(p + "k_rope", "rope", [k, "positions"], (rows, k_dim),
-                    flops=6.0 * rows * hp.n_head_kv * hp.n_rot // 2, inplace=k)
+                    flops=6.0 * rows * hp.n_head_kv * hp.n_rot // 2 + (4.0 * rows * k_dim if qk_norm else 0),
+                    weights=(p + "attn_k_norm.weight",) if qk_norm else (), inplace=k)
         kv_row_bytes = row_bytes(k_dim, self.kv.k_type) + row_bytes(v_dim, self.kv.v_type)
         stored = self.op(p + "kv_store", "kv_store", [k, v, "positions"], (0,), kv_layer=layer,
                          kv_write=rows * kv_row_bytes)
@@ -159,21 +163,25 @@ class _Builder:
                                (rows, hp.n_head, ATTENTION_SPLITS, hp.head_dim_v + 2), **kv_attrs)
             attn = self.op(p + "attention", "attention_combine", [partials], (rows, hp.n_head * hp.head_dim_v),
                            flops=rows * hp.n_head * ATTENTION_SPLITS * (hp.head_dim_v + 2))
-        out = self.matmul(p + "attn_out", attn, p + "attn_output", rows, hp.n_head * hp.head_dim_v, e)
-        x = self.op(p + "attn_residual", "add", [x, out], (rows, e), flops=rows * e, inplace=x)
+        # the residual adds are the epilogues of the projections that end each half of the block, in the order
+        # a separate add took them: x + attention, then + the routed experts' sum, then + the shared expert
+        x = self.matmul(p + "attn_out", attn, p + "attn_output", rows, hp.n_head * hp.head_dim_v, e, residual=x)
         ffn_norm = "ffn_norm" if hp.architecture == "qwen3moe" else "post_attention_norm"
         h = self.norm(p + "ffn_norm", x, p + ffn_norm, rows)
-        ffn = self.moe(layer, h, rows) if hp.is_moe_layer(layer) else self.dense_ffn(p, h, rows, hp.n_ff, "")
-        return self.op(p + "ffn_residual", "add", [x] + ffn, (rows, e), flops=rows * e * len(ffn), inplace=x)
+        if hp.is_moe_layer(layer):
+            return self.moe(layer, h, rows, x)
+        return self.dense_ffn(p, h, rows, hp.n_ff, "", x)
 
-    def dense_ffn(self, p: str, h: str, rows: int, width: int, suffix: str) -> list[str]:
-        """SwiGLU FFN; the activation is fused into the gate/up op, so only silu(gate) * up is stored."""
+    def dense_ffn(self, p: str, h: str, rows: int, width: int, suffix: str, residual: str) -> str:
+        """SwiGLU FFN added to `residual`; the activation is fused into the gate/up op, so only silu(gate) * up
+        is stored."""
         e = self.hp.n_embd
         act = self.op(f"{p}ffn_gate_up{suffix}", "swiglu_matmul", [h], (rows, width), flops=4.0 * rows * e * width,
                       weights=(f"{p}ffn_gate{suffix}.weight", f"{p}ffn_up{suffix}.weight"), n_in=e)
-        return [self.matmul(f"{p}ffn_down{suffix}", act, f"{p}ffn_down{suffix}", rows, width, e)]
+        return self.matmul(f"{p}ffn_down{suffix}", act, f"{p}ffn_down{suffix}", rows, width, e, residual=residual)
 
-    def moe(self, layer: int, h: str, rows: int) -> list[str]:
+    def moe(self, layer: int, h: str, rows: int, x: str) -> str:
+        """The routed experts (and the shared expert, where there is one) of `h`, added to x in place."""
         hp, p, e = self.hp, f"blk.{layer}.", self.hp.n_embd
         k, f = hp.n_expert_used, hp.n_ff_exp
         logits = self.matmul(p + "router", h, p + "ffn_gate_inp", rows, e, hp.n_expert)
@@ -194,15 +202,16 @@ class _Builder:
         down = dict(flops=2.0 * rows * k * f * e, weights=(p + "ffn_down_exps.weight",), expert_layer=layer, n_in=f)
         if self.kind == "prefill":
             # a term row per pair, so each expert's pairs are one GEMM whatever the expert ranges the ring
-            # streams; the combine adds a row's route-weighted terms in ascending expert order
+            # streams; the combine adds a row's route-weighted terms in ascending expert order, then x
             terms = self.op(p + "moe_down", "moe_down_matmul", [act, groups, h], (rows * k, e), **down)
-            moe = self.op(p + "moe_combine", "moe_combine", [terms, ids, weights], (rows, e), flops=2.0 * rows * k * e)
+            x = self.op(p + "moe_combine", "moe_combine", [terms, ids, weights, x], (rows, e),
+                        flops=2.0 * rows * k * e + rows * e, inplace=x)
         else:       # the weighted sum over a row's k experts is summed in the down kernel, in the same order
-            moe = self.op(p + "moe_down", "moe_down_matmul", [act, groups, weights, h], (rows, e), **down)
-        outputs = [moe]
+            down["flops"] += rows * e
+            x = self.op(p + "moe_down", "moe_down_matmul", [act, groups, weights, h, x], (rows, e), inplace=x, **down)
         if hp.n_expert_shared and f"{p}ffn_up_shexp.weight" in self.bytes:
-            outputs += self.dense_ffn(p, h, rows, f * hp.n_expert_shared, "_shexp")
-        return outputs
+            x = self.dense_ffn(p, h, rows, f * hp.n_expert_shared, "_shexp", x)
+        return x
 
     def head(self, x: str, rows: int, norm: str) -> str:
         """Output head over `rows` positions (the last ones); returns the greedy token ids."""

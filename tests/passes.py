@@ -114,16 +114,14 @@ def node_errors(runner: PassRunner, kind: str, token_ids, start: int = 0, refere
             want = w[0][np.asarray(token_ids)]
         elif op == "rmsnorm":
             want = ref.rmsnorm(inputs[0], w[0], hp.rms_eps)
-        elif op == "head_rmsnorm":
-            want = ref.head_rmsnorm(inputs[0], w[0], inputs[0].shape[1] // hp.head_dim_k, hp.rms_eps)
         elif op == "rope":
-            want = ref.rope_neox(inputs[0], positions, inputs[0].shape[1] // hp.head_dim_k, hp.n_rot, hp.rope_base)
-        elif op == "matmul":
-            want = inputs[0] @ w[0].T + (w[1] if len(w) > 1 else 0)
+            n_heads = inputs[0].shape[1] // hp.head_dim_k
+            normed = ref.head_rmsnorm(inputs[0], w[0], n_heads, hp.rms_eps) if w else inputs[0]
+            want = ref.rope_neox(normed, positions, n_heads, hp.n_rot, hp.rope_base)
+        elif op == "matmul":        # a second input: the residual stream it adds to
+            want = inputs[0] @ w[0].T + (w[1] if len(w) > 1 else 0) + (inputs[1] if len(inputs) > 1 else 0)
         elif op == "swiglu_matmul":
             want = ref.swiglu(inputs[0], w[0], w[1])
-        elif op == "add":
-            want = sum(inputs[1:], inputs[0].astype(np.float64))
         elif op == "kv_store":
             keys[layer], values[layer] = ref.kv_round(inputs[0], runner.kv.k_type), ref.kv_round(inputs[1], runner.kv.v_type)
             continue
@@ -152,14 +150,14 @@ def node_errors(runner: PassRunner, kind: str, token_ids, start: int = 0, refere
             want = np.stack([w[0][e] @ inputs[0][p] for p, e in enumerate(ids)])
         elif op == "moe_down_matmul":
             ids, k = host[f"blk.{layer}.topk"], hp.n_expert_used
-            route_w = inputs[2]
-            want = np.stack([sum(route_w[r, j] * (w[0][ids[r, j]] @ inputs[0][r * k + j]) for j in range(k))
-                             for r in range(len(ids))])
+            route_w, residual = inputs[2], inputs[4]
+            want = residual + np.stack([sum(route_w[r, j] * (w[0][ids[r, j]] @ inputs[0][r * k + j]) for j in range(k))
+                                        for r in range(len(ids))])
         elif op == "moe_combine":
-            terms, _ids, route_w = inputs
+            terms, _ids, route_w, residual = inputs
             k = hp.n_expert_used
-            want = np.stack([sum(route_w[r, j] * terms[r * k + j].astype(np.float64) for j in range(k))
-                             for r in range(len(route_w))])
+            want = residual + np.stack([sum(route_w[r, j] * terms[r * k + j].astype(np.float64) for j in range(k))
+                                        for r in range(len(route_w))])
         else:
             want = None
         if got is not None:

@@ -64,7 +64,7 @@ def test_live_tensors_never_share_bytes(qwen, kind, tokens):
 def test_the_residual_stream_is_one_buffer(qwen):
     graph = build_pass(qwen, "prefill", 64, KV, layers=range(3))
     arena = plan_arena(graph)
-    assert {arena.offsets[f"blk.{b}.{op}"] for b in range(3) for op in ("attn_residual", "ffn_residual")} == \
+    assert {arena.offsets[f"blk.{b}.{op}"] for b in range(3) for op in ("attn_out", "moe_combine")} == \
         {arena.offsets["embed"]}
 
 

@@ -32,11 +32,12 @@ def activations(rng, rows, n):
     return rng.standard_normal((rows, n)).astype(np.float32)
 
 
-def run_matmul(family, ggml_type, x, w, bias=None):
+def run_matmul(family, ggml_type, x, w, bias=None, residual=None):
+    """x @ W.T (+ bias); with `residual` (rows, n_out), added in place to it."""
     n_out = w.shape[0]
-    launch = matmul.make_matmul(family, ggml_type, x.shape[1], n_out, bias is not None)
+    launch = matmul.make_matmul(family, ggml_type, x.shape[1], n_out, bias is not None, residual is not None)
     b = cuda.to_device(bias if bias is not None else np.zeros(1, np.float32))
-    out = cuda.to_device(np.full((len(x), n_out), np.nan, np.float32))
+    out = cuda.to_device(np.full((len(x), n_out), np.nan, np.float32) if residual is None else residual)
     launch(0, cuda.to_device(x), w, b, out)
     return out.copy_to_host()
 
@@ -67,6 +68,19 @@ def test_matmul_matches_reference(rng, family, ggml_type):
     bias = rng.standard_normal(n_out).astype(np.float32) if ggml_type in (T.F16, T.Q8_0) else None
     ref = x.astype(np.float64) @ ref_w.T + (0 if bias is None else bias)
     assert rel_err(run_matmul(family, ggml_type, x, w, bias), ref) < TOL
+
+
+@pytest.mark.parametrize("family", ["decode", "prefill"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_matmul_adds_to_the_residual_stream_as_an_add_would(rng, family, with_bias):
+    """With a residual, out += the product: bitwise the product (and bias) first, then one float32 addition
+    to the residual, the bits a separate add kernel gave."""
+    n_in, n_out, rows = 96, 40, (3 if family == "decode" else 5)
+    _, w, _ = packed_weight(rng, T.Q8_0, (n_out, n_in))
+    x, residual = activations(rng, rows, n_in), activations(rng, rows, n_out)
+    bias = rng.standard_normal(n_out).astype(np.float32) if with_bias else None
+    product = run_matmul(family, T.Q8_0, x, w, bias)
+    np.testing.assert_array_equal(run_matmul(family, T.Q8_0, x, w, bias, residual), residual + product)
 
 
 @pytest.mark.parametrize("family", ["decode", "prefill"])
@@ -292,16 +306,17 @@ class Experts:
         down = moe.make_moe_down_matmul(family, self.type, self.d_ff, self.d_out, self.n_expert, k)
         return swiglu, down
 
-    def run(self, family, x, ids, route_w, k=K, ranges=((0, None),), trace=None, exact=False):
+    def run(self, family, x, ids, route_w, residual, k=K, ranges=((0, None),), trace=None, exact=False):
         """(act, out) of gate/up then down over each expert range in turn (as the prefill ring streams them),
-        then (prefill) the combine; `trace`, a list: (act, terms) after each range is appended to it; exact:
+        then (prefill) the combine, out starting as `residual` (the kernels add the block's output to it);
+        `trace`, a list: (act, terms) after each range is appended to it; exact:
         each range launched with its tiles from the routing (`range_tiles`), as the engine launches them."""
         swiglu, down = self.launches(family, x.shape[1], k)
         groups = run_groups(ids, self.n_expert, k)
         slot_of = cuda.to_device(self.slot_of)
         ids_device, x, route_w = cuda.to_device(ids), cuda.to_device(x), cuda.to_device(route_w)
         act = cuda.to_device(np.full((ids.size, self.d_ff), np.nan, np.float32))
-        out = cuda.to_device(np.full((len(ids), self.d_out), np.nan, np.float32))
+        out = cuda.to_device(np.ascontiguousarray(residual))
         terms = cuda.to_device(np.full((ids.size, self.d_out), np.nan, np.float32))
         (gate, up, dw), (host_gate, host_up, host_down) = self.slots, self.host
         edges = [lo for lo, _ in ranges] + [self.n_expert]
@@ -320,11 +335,13 @@ class Experts:
         return act.copy_to_host(), out.copy_to_host()
 
 
-def moe_inputs(rng, rows, k=K, d_in=D_IN, n_expert=E):
-    return activations(rng, rows, d_in), top_ids(rng, rows, n_expert, k), rng.random((rows, k)).astype(np.float32)
+def moe_inputs(rng, rows, k=K, d_in=D_IN, n_expert=E, d_out=D_OUT):
+    """(x, ids, route weights, the residual stream the block's output is added to)"""
+    return (activations(rng, rows, d_in), top_ids(rng, rows, n_expert, k), rng.random((rows, k)).astype(np.float32),
+            activations(rng, rows, d_out))
 
 
-def check_moe(experts, x, ids, route_w, act, out):
+def check_moe(experts, x, ids, route_w, residual, act, out):
     used, local = np.unique(ids, return_inverse=True)
     local = local.reshape(ids.shape)
     gate, up, down = experts.reference(used)
@@ -332,7 +349,7 @@ def check_moe(experts, x, ids, route_w, act, out):
     ref_act = np.stack([reference.swiglu(x64[p // k][None], gate[e], up[e])[0]
                         for p, e in enumerate(local.reshape(-1))])
     assert rel_err(act, ref_act) < TOL
-    assert rel_err(out, reference.moe(x64, local, route_w, gate, up, down)) < TOL
+    assert rel_err(out, residual + reference.moe(x64, local, route_w, gate, up, down)) < TOL
 
 
 def test_moe_prefill_matches_reference_for_any_chunk(rng):
@@ -340,30 +357,30 @@ def test_moe_prefill_matches_reference_for_any_chunk(rng):
     copy; then a chunk of 3 of those rows gives their bits again (the GPU test repeats this at Qwen3-30B-A3B's
     shape)."""
     experts = Experts(rng, T.Q4_0)
-    x, ids, route_w = moe_inputs(rng, 7)
-    act, whole = experts.run("prefill", x, ids, route_w)
-    check_moe(experts, x, ids, route_w, act, whole)
+    x, ids, route_w, residual = moe_inputs(rng, 7)
+    act, whole = experts.run("prefill", x, ids, route_w, residual)
+    check_moe(experts, x, ids, route_w, residual, act, whole)
     part = slice(3, 6)
-    assert np.array_equal(experts.run("prefill", x[part], ids[part], route_w[part])[1], whole[part])
+    assert np.array_equal(experts.run("prefill", x[part], ids[part], route_w[part], residual[part])[1], whole[part])
 
 
 def test_moe_decode_matches_reference_for_any_window(rng):
     """A window of 5 against the reference, experts from slots and host; row 0 alone (its experts then
     grouped with no other row) gives the same bits."""
     experts = Experts(rng, T.Q8_0)
-    x, ids, route_w = moe_inputs(rng, 5)
-    act, window = experts.run("decode", x, ids, route_w)
-    check_moe(experts, x, ids, route_w, act, window)
-    assert np.array_equal(experts.run("decode", x[:1], ids[:1], route_w[:1])[1], window[:1])
+    x, ids, route_w, residual = moe_inputs(rng, 5)
+    act, window = experts.run("decode", x, ids, route_w, residual)
+    check_moe(experts, x, ids, route_w, residual, act, window)
+    assert np.array_equal(experts.run("decode", x[:1], ids[:1], route_w[:1], residual[:1])[1], window[:1])
 
 
 @pytest.mark.parametrize("family, rows", [("decode", 4), ("prefill", 5)])
 def test_moe_reads_the_same_bits_from_slots_or_host(rng, family, rows):
     """Every expert from VRAM slots (shuffled), then every expert from the host copy: act and out equal."""
     experts = Experts(rng, T.Q8_0, slot_of=rng.permutation(E))
-    x, ids, route_w = moe_inputs(rng, rows)
-    from_slots = experts.run(family, x, ids, route_w)
-    from_host = experts.place(np.full(E, -1)).run(family, x, ids, route_w)
+    x, ids, route_w, residual = moe_inputs(rng, rows)
+    from_slots = experts.run(family, x, ids, route_w, residual)
+    from_host = experts.place(np.full(E, -1)).run(family, x, ids, route_w, residual)
     assert not np.isnan(from_slots[1]).any()
     assert all(np.array_equal(a, b) for a, b in zip(from_slots, from_host))
 
@@ -379,11 +396,11 @@ def test_moe_prefill_over_expert_ranges_equals_one_launch(rng, exact):
     per row), with grids for any routing or each range's tiles; a range writes only its experts' act and term
     rows (both start as NaN)."""
     experts = Experts(rng, T.F16, n_expert=N_RANGED)
-    x, ids, route_w = moe_inputs(rng, 6, k=3, n_expert=N_RANGED)
-    act, out = experts.run("prefill", x, ids, route_w, k=3)
-    check_moe(experts, x, ids, route_w, act, out)
+    x, ids, route_w, residual = moe_inputs(rng, 6, k=3, n_expert=N_RANGED)
+    act, out = experts.run("prefill", x, ids, route_w, residual, k=3)
+    check_moe(experts, x, ids, route_w, residual, act, out)
     trace = []
-    ranged = experts.run("prefill", x, ids, route_w, k=3, ranges=RANGES, trace=trace, exact=exact)
+    ranged = experts.run("prefill", x, ids, route_w, residual, k=3, ranges=RANGES, trace=trace, exact=exact)
     assert np.array_equal(ranged[0], act) and np.array_equal(ranged[1], out)
     pair_experts = ids.reshape(-1)
     for (_, hi), (seen_act, seen_terms) in zip(RANGES, trace):
@@ -395,10 +412,10 @@ def test_moe_prefill_over_expert_ranges_equals_one_launch(rng, exact):
 def test_moe_prefill_over_expert_ranges_for_any_chunk(rng):
     """A chunk split in two, each half over the expert ranges: the rows of one whole launch, bitwise."""
     experts = Experts(rng, T.Q8_0, n_expert=N_RANGED)
-    x, ids, route_w = moe_inputs(rng, 5, n_expert=N_RANGED)
-    _, whole = experts.run("prefill", x, ids, route_w)
+    x, ids, route_w, residual = moe_inputs(rng, 5, n_expert=N_RANGED)
+    _, whole = experts.run("prefill", x, ids, route_w, residual)
     for part in (slice(0, 2), slice(2, 5)):
-        _, out = experts.run("prefill", x[part], ids[part], route_w[part], ranges=RANGES)
+        _, out = experts.run("prefill", x[part], ids[part], route_w[part], residual[part], ranges=RANGES)
         assert np.array_equal(out, whole[part])
 
 
@@ -415,19 +432,20 @@ def test_range_tiles_counts_the_tiles_the_routing_makes(rng):
 
 
 def test_moe_combine_adds_each_rows_terms_in_ascending_expert_order(rng):
-    """out[r] = sum of route_w[r, j] * terms[r * k + j] over the row's slots sorted by expert id, from 0, in
-    float32 in that order (bitwise), whatever order top-k listed the experts in."""
+    """out[r] += the sum of route_w[r, j] * terms[r * k + j] over the row's slots sorted by expert id, from 0, in
+    float32 in that order (bitwise), whatever order top-k listed the experts in, added to the residual last."""
     rows, k, n_out = 6, 4, 40
     ids = np.stack([rng.permutation(9)[:k] for _ in range(rows)]).astype(np.int32)
     terms = rng.standard_normal((rows * k, n_out)).astype(np.float32)
     route_w = rng.random((rows, k)).astype(np.float32)
-    out = cuda.to_device(np.full((rows, n_out), np.nan, np.float32))
+    residual = rng.standard_normal((rows, n_out)).astype(np.float32)
+    out = cuda.to_device(residual)
     moe.make_moe_combine(n_out, k)(0, cuda.to_device(terms), cuda.to_device(ids), cuda.to_device(route_w), out)
     expected = np.zeros((rows, n_out), np.float32)
     for r in range(rows):
         for j in np.argsort(ids[r], kind="stable"):
             expected[r] = expected[r] + route_w[r, j] * terms[r * k + j]
-    assert np.array_equal(out.copy_to_host(), expected)
+    assert np.array_equal(out.copy_to_host(), residual + expected)
 
 
 def test_moe_combine_refuses_more_terms_than_it_orders():
@@ -496,17 +514,19 @@ def test_gpu_moe_qwen3_30b_shape(rng, family):
     rows = 5 if family == "decode" else 96
     ids = top_ids(rng, rows, 128, 8, chosen=None if family == "decode" else 24)
     x, route_w = activations(rng, rows, 2048), rng.random((rows, 8)).astype(np.float32)
-    act, out = experts.run(family, x, ids, route_w, k=8)
-    check_moe(experts, x, ids, route_w, act, out)
+    residual = activations(rng, rows, 2048)
+    act, out = experts.run(family, x, ids, route_w, residual, k=8)
+    check_moe(experts, x, ids, route_w, residual, act, out)
     part = slice(1, 4)
-    _, out_part = experts.run(family, x[part], ids[part], route_w[part], k=8)
+    _, out_part = experts.run(family, x[part], ids[part], route_w[part], residual[part], k=8)
     assert np.array_equal(out_part, out[part])
     if family == "prefill":
         for exact in (False, True):
-            ranged = experts.run(family, x, ids, route_w, k=8, ranges=((0, 7), (7, 16), (16, None)), exact=exact)
+            ranged = experts.run(family, x, ids, route_w, residual, k=8, ranges=((0, 7), (7, 16), (16, None)),
+                                 exact=exact)
             assert np.array_equal(ranged[0], act) and np.array_equal(ranged[1], out)
-    from_slots = experts.place(rng.permutation(128)).run(family, x, ids, route_w, k=8)
-    from_host = experts.place(np.full(128, -1)).run(family, x, ids, route_w, k=8)
+    from_slots = experts.place(rng.permutation(128)).run(family, x, ids, route_w, residual, k=8)
+    from_host = experts.place(np.full(128, -1)).run(family, x, ids, route_w, residual, k=8)
     assert all(np.array_equal(a, b) for a, b in zip(from_slots, from_host))
     assert np.array_equal(from_slots[1], out)
 

@@ -77,40 +77,46 @@ def test_rmsnorm(rng, n):
     np.testing.assert_array_equal(rows_one_by_one(launch, x, w, np.empty_like(x)), got)
 
 
-def test_head_rmsnorm(rng):
+# --- RoPE, with qwen3moe's q/k norm before it ----------------------------------------------------------------
+
+PLACEHOLDER = np.zeros(1, np.float32)       # a RoPE without the norm never reads its weight
+
+
+def check_rope(rng, n_heads, head_dim, n_rot, base, positions, norm=False):
+    """The kernel against the reference (head_rmsnorm, then rope_neox): (launch, its arrays, result)."""
+    x = randn(rng, len(positions), n_heads * head_dim, scale=2.0)
+    positions = np.asarray(positions, dtype=np.int32)
+    w = randn(rng, head_dim) if norm else PLACEHOLDER
+    launch = pointwise.make_rope(n_heads, head_dim, n_rot, base, EPS if norm else None)
+    got = run(launch, x, w, positions, results=[0])[0]
+    normed = reference.head_rmsnorm(x, w, n_heads, EPS) if norm else x
+    assert rel_l2(got, reference.rope_neox(normed, positions, n_heads, n_rot, base)) < TOLERANCE
+    heads, before = got.reshape(len(x), n_heads, head_dim), normed.reshape(len(x), n_heads, head_dim)
+    if norm and n_rot < head_dim:
+        assert rel_l2(heads[..., n_rot:], before[..., n_rot:]) < TOLERANCE
+    elif not norm:      # dims past the rotation are left as they were
+        np.testing.assert_array_equal(heads[..., n_rot:], before[..., n_rot:])
+    return launch, (x, w, positions), got
+
+
+# full and partial rotary; head dims of one element a thread and of several (300: a partial last step)
+@pytest.mark.parametrize("n_heads, head_dim, n_rot, base", [(3, 32, 32, 10000.0), (3, 32, 16, 1000000.0),
+                                                            (2, 300, 128, 1000000.0)])
+@pytest.mark.parametrize("norm", [False, True], ids=["rope", "norm+rope"])
+def test_rope(rng, n_heads, head_dim, n_rot, base, norm):
+    positions = [0, 1, int(rng.integers(2, 4096)), 29999, int(rng.integers(30000, 32768))]
+    launch, arrays, got = check_rope(rng, n_heads, head_dim, n_rot, base, positions, norm)
+    np.testing.assert_array_equal(rows_one_by_one(launch, *arrays, results=[0])[0], got)
+
+
+def test_rope_norms_each_head_on_its_own(rng):
     n_heads, head_dim = 3, 32
-    x, w = randn(rng, 3, n_heads * head_dim, scale=2.0), randn(rng, head_dim)
-    launch = pointwise.make_head_rmsnorm(n_heads, head_dim, EPS)
-    got = run(launch, x, w, np.empty_like(x))
-    assert rel_l2(got, reference.head_rmsnorm(x, w, n_heads, EPS)) < TOLERANCE
-    # every head is normed on its own: scaling one head leaves the others bitwise unchanged
+    launch, (x, w, positions), got = check_rope(rng, n_heads, head_dim, head_dim, 10000.0, [3, 70, 900], norm=True)
     scaled = x.copy()
     scaled[:, :head_dim] *= 7
-    np.testing.assert_array_equal(run(launch, scaled, w, np.empty_like(x))[:, head_dim:], got[:, head_dim:])
-    np.testing.assert_array_equal(run(launch, x, w, x, results=[0])[0], got)
-    np.testing.assert_array_equal(rows_one_by_one(launch, x, w, np.empty_like(x)), got)
-
-
-# --- RoPE --------------------------------------------------------------------------------------------------
-
-def check_rope(rng, n_heads, head_dim, n_rot, base, positions):
-    x = randn(rng, len(positions), n_heads * head_dim)
-    positions = np.asarray(positions, dtype=np.int32)
-    launch = pointwise.make_rope(n_heads, head_dim, n_rot, base)
-    got = run(launch, x, positions, results=[0])[0]
-    assert rel_l2(got, reference.rope_neox(x, positions, n_heads, n_rot, base)) < TOLERANCE
-    heads, before = got.reshape(len(x), n_heads, head_dim), x.reshape(len(x), n_heads, head_dim)
-    np.testing.assert_array_equal(heads[..., n_rot:], before[..., n_rot:])
-    return launch, x, positions, got
-
-
-# full and partial rotary; 3 heads leave a block's last step partial, 4 heads of 64 pairs fill every step
-@pytest.mark.parametrize("n_heads, head_dim, n_rot, base", [(3, 32, 32, 10000.0), (3, 32, 16, 1000000.0),
-                                                            (4, 128, 128, 1000000.0)])
-def test_rope(rng, n_heads, head_dim, n_rot, base):
-    positions = [0, 1, int(rng.integers(2, 4096)), 29999, int(rng.integers(30000, 32768))]
-    launch, x, positions, got = check_rope(rng, n_heads, head_dim, n_rot, base, positions)
-    np.testing.assert_array_equal(rows_one_by_one(launch, x, positions, results=[0])[0], got)
+    again = run(launch, scaled, w, positions, results=[0])[0]
+    np.testing.assert_array_equal(again[:, head_dim:], got[:, head_dim:])
+    assert rel_l2(again[:, :head_dim], got[:, :head_dim]) < TOLERANCE     # a norm does not see a head's scale
 
 
 def test_rope_rejects_odd_or_oversized_rotation():
@@ -120,17 +126,7 @@ def test_rope_rejects_odd_or_oversized_rotation():
         pointwise.make_rope(2, 32, 64, 10000.0)
 
 
-# --- add, concat -------------------------------------------------------------------------------------------
-
-def test_add_one_and_two_addends(rng):
-    x, a, b = randn(rng, 3, 48), randn(rng, 3, 48), randn(rng, 3, 48)
-    one = run(pointwise.make_add(48, 1), x, a, results=[0])[0]
-    np.testing.assert_array_equal(one, x + a)
-    two = run(pointwise.make_add(48, 2), x, a, b, results=[0])[0]
-    np.testing.assert_array_equal(two, (x + a) + b)
-    with pytest.raises(ValueError):
-        pointwise.make_add(48, 3)
-
+# --- concat ------------------------------------------------------------------------------------------------
 
 def test_concat(rng):
     a, b = randn(rng, 3, 40), randn(rng, 3, 24)
@@ -263,22 +259,13 @@ def test_gpu_rmsnorm(rng, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_heads", [32, 4])
-def test_gpu_head_rmsnorm(rng, n_heads):
-    x, w = randn(rng, 64, n_heads * 128, scale=2.0), randn(rng, 128)
-    launch = pointwise.make_head_rmsnorm(n_heads, 128, EPS)
-    got = run(launch, x, w, np.empty_like(x))
-    assert rel_l2(got, reference.head_rmsnorm(x, w, n_heads, EPS)) < TOLERANCE
-    np.testing.assert_array_equal(rows_one_by_one(launch, x[:8], w, np.empty_like(x[:8])), got[:8])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n_heads, n_rot, base", [(32, 128, 1000000.0), (96, 64, 1000000.0), (4, 128, 10000.0)])
-def test_gpu_rope(rng, n_heads, n_rot, base):
+@pytest.mark.parametrize("n_heads, n_rot, base, norm", [(32, 128, 1000000.0, True), (4, 128, 1000000.0, True),
+                                                        (96, 64, 1000000.0, False), (4, 128, 10000.0, False)])
+def test_gpu_rope(rng, n_heads, n_rot, base, norm):
     positions = np.sort(rng.integers(0, 32768, 64))
     positions[:2] = [0, 30000]
-    launch, x, positions, got = check_rope(rng, n_heads, 128, n_rot, base, positions)
-    np.testing.assert_array_equal(rows_one_by_one(launch, x[:8], positions[:8], results=[0])[0], got[:8])
+    launch, (x, w, positions), got = check_rope(rng, n_heads, 128, n_rot, base, positions, norm)
+    np.testing.assert_array_equal(rows_one_by_one(launch, x[:8], w, positions[:8], results=[0])[0], got[:8])
 
 
 @pytest.mark.gpu

@@ -297,9 +297,9 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
 
 
 @functools.cache
-def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeShape):
+def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeShape, residual: bool = False):
     """launch(stream, x, wa, sa, wb, sb, b, out): the decode family's dense kernel (SwiGLU: a = gate,
-    b = up) for any n_out = out.shape[1] and x.shape[0] <= shape.window."""
+    b = up) for any n_out = out.shape[1] and x.shape[0] <= shape.window; residual: out += the product."""
     tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
     n_b = nr if swiglu else 0
     dot, reduce = decode_core(ggml_type, n_in, nr, n_b, tg, shape.unroll, window)
@@ -326,6 +326,8 @@ def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeS
                     value = silu(value) * red[g, (nr + i) * window + r, 0]
                 elif bias:
                     value += b[n0 + i]
+                if residual:
+                    value += out[r, n0 + i]
                 out[r, n0 + i] = value
 
     def launch(stream, x, wa, sa, wb, sb, b, out):
@@ -452,9 +454,9 @@ def prefill_core(ggml_type, n_in: int, bm: int):
 
 
 @functools.cache
-def prefill_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, bm: int):
+def prefill_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, bm: int, residual: bool = False):
     """launch(stream, x, wa, sa, wb, sb, b, out): the prefill family's dense kernel (SwiGLU: a = gate,
-    b = up) for any n_out = out.shape[1]."""
+    b = up) for any n_out = out.shape[1]; residual: out += the product."""
     tile = prefill_core(ggml_type, n_in, bm)
     tm = bm // 16
     hm = tm // 4
@@ -484,10 +486,9 @@ def prefill_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, bm: int):
                     if n < n_out:
                         if swiglu:
                             out[r, n] = silu(acc[i, j]) * acc[i, j + 4]
-                        elif bias:
-                            out[r, n] = acc[i, j] + b[n]
                         else:
-                            out[r, n] = acc[i, j]
+                            value = acc[i, j] + b[n] if bias else acc[i, j]
+                            out[r, n] = value + out[r, n] if residual else value
 
     def launch(stream, x, wa, sa, wb, sb, b, out):
         grid = (-(-out.shape[1] // cols), -(-x.shape[0] // bm))
@@ -499,22 +500,25 @@ def prefill_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, bm: int):
 # factories
 
 
-def _dense(family: str, ggml_type, n_in: int, n_out: int, bias: bool, swiglu: bool):
+def _dense(family: str, ggml_type, n_in: int, n_out: int, bias: bool, swiglu: bool, residual: bool = False):
     fmt = check(family, ggml_type, n_in, n_out)
     if family == "prefill":
-        return prefill_kernel(T(ggml_type), n_in, bias, swiglu, prefill_tile_rows(n_out))
+        return prefill_kernel(T(ggml_type), n_in, bias, swiglu, prefill_tile_rows(n_out), residual)
 
     def launch(stream, x, wa, sa, wb, sb, b, out):
         shape = decode_shape(fmt, n_in, n_out, window_rows(x))
-        decode_kernel(T(ggml_type), n_in, bias, swiglu, shape)(stream, x, wa, sa, wb, sb, b, out)
+        decode_kernel(T(ggml_type), n_in, bias, swiglu, shape, residual)(stream, x, wa, sa, wb, sb, b, out)
     return launch
 
 
 @functools.cache
-def make_matmul(family: str, ggml_type, n_in: int, n_out: int, bias: bool):
+def make_matmul(family: str, ggml_type, n_in: int, n_out: int, bias: bool, residual: bool = False):
     """launch(stream, x, w, b, out): out (rows, n_out) = x (rows, n_in) @ W.T (+ b); `b` is a 1-element
-    placeholder when `bias` is False. decode: rows <= MAX_WINDOW."""
-    inner = _dense(family, ggml_type, n_in, n_out, bias, False)
+    placeholder when `bias` is False. residual: out += that instead, out holding the residual stream (a
+    block's attention output and FFN down projections: the residual add is their epilogue, one float32
+    addition of the same two values a separate add kernel made, so the same bits and one launch fewer).
+    decode: rows <= MAX_WINDOW."""
+    inner = _dense(family, ggml_type, n_in, n_out, bias, False, residual)
 
     def launch(stream, x, w, b, out):
         data, scales = words(w)

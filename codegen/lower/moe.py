@@ -17,7 +17,8 @@ cols) contiguous, or blob-major (`slot_bytes` > 0: slot s starts s * slot_bytes 
 slot an expert is read from.
 
 The weighted sum: each output row adds its k route-weighted terms in ascending expert id order (top-k picks
-distinct experts per row), from 0.
+distinct experts per row), from 0, then adds that sum to the residual stream in place (the block's residual
+add, as the kernel's epilogue).
 
 decode family: a window's rows pick distinct experts each (top-k does), so an expert has at most
   MAX_WINDOW pairs. gate/up: block (column group, y) computes every pair of the y-th active expert with one
@@ -223,7 +224,7 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
     """launch(stream, act, groups, route_w, slot_of, dw, ds, hdw, hds, out): the decode family's routed down
     projection with the weighted sum (expert e's rows from dw/ds at slot_of[e], or hdw/hds at e when
     slot_of[e] < 0); the block's groups take the active experts in turn, then each output sums its row's
-    terms in ascending expert id order."""
+    terms in ascending expert id order and adds the sum to out (the residual stream)."""
     tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
     dot, reduce = decode_core(ggml_type, n_ff, nr, 0, tg, shape.unroll, window)
     red_shape, dots_shape, acc_shape = (groups, nr * window, tg), (window * k, nr), (nr, window)
@@ -284,7 +285,7 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
                 for m in range(1, k):
                     j = order[r * k + m]
                     total += route_w[r, j] * dots[r * k + j, i]
-                out[r, n0 + i] = total
+                out[r, n0 + i] = out[r, n0 + i] + total
 
     blocks = -(-n_out // nr)
 
@@ -394,9 +395,9 @@ MAX_COMBINED_K = 32
 
 @functools.cache
 def make_moe_combine(n_out: int, k: int):
-    """launch(stream, terms, ids, route_w, out): out[r] = the sum over the row's experts e = ids[r, j], in
+    """launch(stream, terms, ids, route_w, out): out[r] += the sum over the row's experts e = ids[r, j], in
     ascending id order (top-k's are distinct; a repeated id would go by slot), of route_w[r, j] * terms[r * k
-    + j], from 0: the prefill down projection's weighted sum (its terms come expert range by expert range as
+    + j], from 0 (out: the residual stream): the prefill down projection's weighted sum (its terms come expert range by expert range as
     the prefill ring streams experts; the sum waits for all of them and never depends on the ranges)."""
     @cuda.jit
     def kernel(terms, ids, route_w, out):
@@ -416,7 +417,7 @@ def make_moe_combine(n_out: int, k: int):
             for q in range(k):
                 j = order[q]
                 total = total + route_w[r, j] * terms[r * k + j, n]
-            out[r, n] = total
+            out[r, n] = out[r, n] + total
 
     if not 0 < k <= MAX_COMBINED_K:
         raise ValueError(f"top {k} experts: the prefill combine adds at most {MAX_COMBINED_K} terms a row")
@@ -494,8 +495,9 @@ def make_moe_down_matmul(family: str, ggml_type, n_ff: int, n_out: int, n_expert
       k + j] = D @ act[r * k + j] for the pairs of experts lo <= e < hi (hi None: n_expert), other rows
       untouched; `make_moe_combine` then weighs and adds a row's terms, so launches over any expert ranges give
       the same sum. tiles: as gate/up's.
-    decode: launch(stream, act, groups, route_w, slot_of, down, host_down, out): out[r] = the sum over the row's
-      experts, in ascending id order, of route_w[r, j] * (D @ act[r * k + j]), summed in registers."""
+    decode: launch(stream, act, groups, route_w, slot_of, down, host_down, out): out[r] += the sum over the
+      row's experts, in ascending id order, of route_w[r, j] * (D @ act[r * k + j]), summed in registers (out:
+      the residual stream, whose add is this kernel's epilogue)."""
     check(family, ggml_type, n_ff, n_out)
     strides = expert_strides(ggml_type, n_out, n_ff, slot_bytes)
     if family == "decode":

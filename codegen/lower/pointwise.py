@@ -1,5 +1,6 @@
-"""Pointwise and routing kernels: embedding, RMSNorm (whole rows and per head), NEOX RoPE, residual adds,
-concat, router top-k and route weights, argmax.
+"""Pointwise and routing kernels: embedding, RMSNorm, NEOX RoPE (with the q/k norm before it), concat, router
+top-k and route weights, argmax. (The residual adds are the epilogues of the projections that end a block's
+halves: `codegen.lower.matmul`, `codegen.lower.moe`.)
 
 Every kernel gives each row (or each row's head) its own block, or its own threads for the elementwise ones,
 so a row's result never depends on how many rows the launch holds; the reductions (sum of squares, softmax
@@ -20,8 +21,7 @@ from codegen.lower.weights import QUANT_BLOCK
 WARP = 32
 ELEMENTWISE_THREADS = 256
 EMBED_THREADS = 256      # at most, per embedded row
-NORM_THREADS = 256       # at most, per row (or head) of an RMSNorm
-ROPE_THREADS = 128       # at least one head's pairs; more heads per step when a head has fewer pairs
+NORM_THREADS = 256       # at most, per row of an RMSNorm or head of a RoPE
 ROUTER_THREADS = 1024    # at most, per router row
 TOPK_MIN_SLICE = 16      # experts a top-k thread compares with, at least (fewer threads for few experts)
 ARGMAX_THREADS = 1024    # at most, per argmax row
@@ -198,122 +198,129 @@ def make_embed(ggml_type, n_embd: int):
 
 
 @functools.cache
-def _make_norm(n_segments: int, length: int, eps: float):
-    """RMSNorm of each of a row's `n_segments` runs of `length` values, one block per run; each thread loads
-    its values and weights first, sums its squares in index order, then the block's tree adds the threads'."""
+def _run_norm(length: int, eps: float):
+    """(threads, steps, whole, load, normalize) for RMSNorms of runs of `length` values, a block a run:
+    load(x, row, first, values) takes thread tid's values j = tid + u * threads of x[row, first:first + length]
+    into registers; normalize(values, weights, weight, partial) loads the thread's weights, then scales its
+    values to x / sqrt(mean(x^2) + eps) * weight: each thread sums its squares in index order, the block's tree
+    adds the threads'."""
     threads = _threads(length, NORM_THREADS)
     steps = -(-length // threads)
     whole = length % threads == 0
     eps32, length32 = np.float32(eps), np.float32(length)
 
-    @cuda.jit
-    def kernel(x, weight, out):
-        block = cuda.blockIdx.x
-        row = block // n_segments
-        first = (block % n_segments) * length
+    @cuda.jit(device=True, inline=True)
+    def load(x, row, first, values):
         tid = cuda.threadIdx.x
-        partial = cuda.shared.array(threads, np.float32)
-        values = cuda.local.array(steps, np.float32)
-        weights = cuda.local.array(steps, np.float32)
         for u in range(steps):
             j = tid + u * threads
-            values[u], weights[u] = np.float32(0), np.float32(0)
+            values[u] = np.float32(0)
             if whole or j < length:
-                values[u], weights[u] = x[row, first + j], weight[j]
+                values[u] = x[row, first + j]
+
+    @cuda.jit(device=True, inline=True)
+    def normalize(values, weights, weight, partial):
+        tid = cuda.threadIdx.x
+        for u in range(steps):
+            j = tid + u * threads
+            weights[u] = np.float32(0)
+            if whole or j < length:
+                weights[u] = weight[j]
         total = np.float32(0)
         for u in range(steps):
             total += values[u] * values[u]
         partial[tid] = total
         scale = np.float32(1) / np.float32(math.sqrt(_sum_tree(partial, tid, threads) / length32 + eps32))
         for u in range(steps):
-            j = tid + u * threads
-            if whole or j < length:
-                out[row, first + j] = values[u] * scale * weights[u]
+            values[u] = values[u] * scale * weights[u]
 
-    return _per_row(kernel, threads, n_segments)
-
-
-def make_rmsnorm(n: int, eps: float):
-    """launch(stream, x, weight, out): out = x / sqrt(mean(x^2) + eps) * weight per row; out may be x."""
-    return _make_norm(1, n, eps)
-
-
-def make_head_rmsnorm(n_heads: int, head_dim: int, eps: float):
-    """launch(stream, x, weight, out): RMSNorm of each head of rows (rows, n_heads * head_dim), one weight
-    (head_dim,) for every head; out may be x."""
-    return _make_norm(n_heads, head_dim, eps)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# RoPE
+    return threads, steps, whole, load, normalize
 
 
 @functools.cache
-def make_rope(n_heads: int, head_dim: int, n_rot: int, base: float):
-    """launch(stream, x, positions): NEOX RoPE in place on x (rows, n_heads * head_dim) at int32 positions
-    (rows,): pairs (i, i + n_rot/2) of each head, theta = pos * base^(-2i/n_rot) and its cos/sin in float64,
-    the rotation in float32; dims >= n_rot untouched."""
-    if n_rot % 2 or not 0 < n_rot <= head_dim:
-        raise ValueError(f"n_rot {n_rot} must be even and within the head ({head_dim})")
-    half = n_rot // 2
-    inv_freq = base ** (-2.0 * np.arange(half) / n_rot)      # float64, as the reference computes it
-    heads_per_step = max(1, ROPE_THREADS // half)
-    threads = half * heads_per_step
-    steps = -(-n_heads // heads_per_step)
-    whole = n_heads % heads_per_step == 0
+def make_rmsnorm(n: int, eps: float):
+    """launch(stream, x, weight, out): out = x / sqrt(mean(x^2) + eps) * weight per row (`_run_norm`); out may
+    be x. A block a row; its values and weights are loaded before any is used."""
+    threads, steps, whole, load, normalize = _run_norm(n, eps)
 
     @cuda.jit
-    def kernel(x, positions):
-        # thread: pair i of heads tid // half + heads_per_step * u; all its pairs are loaded before any store
+    def kernel(x, weight, out):
         row = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        i = tid % half
-        low = cuda.local.array(steps, np.float32)
-        high = cuda.local.array(steps, np.float32)
+        partial = cuda.shared.array(threads, np.float32)
+        values = cuda.local.array(steps, np.float32)
+        weights = cuda.local.array(steps, np.float32)
+        load(x, row, 0, values)
+        normalize(values, weights, weight, partial)
         for u in range(steps):
-            a = (tid // half + u * heads_per_step) * head_dim + i
-            if whole or a < n_heads * head_dim:
-                low[u], high[u] = x[row, a], x[row, a + half]
-        theta = np.float64(positions[row]) * cuda.const.array_like(inv_freq)[i]
-        cos, sin = np.float32(math.cos(theta)), np.float32(math.sin(theta))
-        for u in range(steps):
-            a = (tid // half + u * heads_per_step) * head_dim + i
-            if whole or a < n_heads * head_dim:
-                x[row, a] = low[u] * cos - high[u] * sin
-                x[row, a + half] = low[u] * sin + high[u] * cos
+            j = cuda.threadIdx.x + u * threads
+            if whole or j < n:
+                out[row, j] = values[u]
 
     return _per_row(kernel, threads)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# residual adds and concat
+# RoPE, with the q/k norm before it
+
+
+@functools.cache
+def make_rope(n_heads: int, head_dim: int, n_rot: int, base: float, eps: float | None = None):
+    """launch(stream, x, weight, positions): NEOX RoPE in place on x (rows, n_heads * head_dim) at int32
+    positions (rows,): pairs (i, i + n_rot/2) of each head, theta = pos * base^(-2i/n_rot) and its cos/sin in
+    float64, the rotation in float32; dims >= n_rot keep their value. With `eps`, each head is first RMSNormed
+    with weight (head_dim,) (qwen3moe's q/k norm: one launch where a norm and a rotation took two); without,
+    `weight` is a 1-element placeholder, never read.
+
+    A block per (row, head): each thread loads its values (and weights) before it uses them, sums its squares
+    in index order, then the block's fixed tree adds the threads'; the normed head goes through shared memory,
+    since a rotated value needs its pair's."""
+    if n_rot % 2 or not 0 < n_rot <= head_dim:
+        raise ValueError(f"n_rot {n_rot} must be even and within the head ({head_dim})")
+    half = n_rot // 2
+    inv_freq = base ** (-2.0 * np.arange(half) / n_rot)      # float64, as the reference computes it
+    normed = eps is not None
+    threads, steps, whole, load, normalize = _run_norm(head_dim, eps or 0.0)
+
+    @cuda.jit
+    def kernel(x, weight, positions):
+        block = cuda.blockIdx.x
+        row, first = block // n_heads, (block % n_heads) * head_dim
+        tid = cuda.threadIdx.x
+        head = cuda.shared.array(head_dim, np.float32)
+        partial = cuda.shared.array(threads, np.float32)
+        values = cuda.local.array(steps, np.float32)
+        weights = cuda.local.array(steps, np.float32)
+        load(x, row, first, values)
+        if normed:
+            normalize(values, weights, weight, partial)
+        for u in range(steps):
+            j = tid + u * threads
+            if whole or j < head_dim:
+                head[j] = values[u]
+        cuda.syncthreads()
+        position = np.float64(positions[row])
+        for u in range(steps):
+            j = tid + u * threads
+            if (whole or j < head_dim) and j < n_rot:
+                i = j % half
+                theta = position * cuda.const.array_like(inv_freq)[i]
+                cos, sin = np.float32(math.cos(theta)), np.float32(math.sin(theta))
+                if j < half:
+                    x[row, first + j] = head[i] * cos - head[i + half] * sin
+                else:
+                    x[row, first + j] = head[i] * sin + head[j] * cos
+            elif (whole or j < head_dim) and normed:
+                x[row, first + j] = values[u]
+
+    return _per_row(kernel, threads, n_heads)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# concat
 
 
 def _elementwise_blocks(rows: int, width: int) -> int:
     return -(-rows * width // ELEMENTWISE_THREADS)
-
-
-@functools.cache
-def make_add(n: int, n_addends: int):
-    """launch(stream, x, *addends): x += a (+ b) in place, rows (rows, n), added in that order."""
-    if n_addends not in (1, 2):
-        raise ValueError(f"an add takes 1 or 2 addends, not {n_addends}")
-    two = n_addends == 2
-
-    @cuda.jit
-    def kernel(x, a, b):
-        i = cuda.grid(1)
-        row, col = i // n, i % n
-        if row < x.shape[0]:
-            total = x[row, col] + a[row, col]
-            if two:
-                total += b[row, col]
-            x[row, col] = total
-
-    def launch(stream, x, *addends):
-        launch_kernel(kernel, _elementwise_blocks(x.shape[0], n), ELEMENTWISE_THREADS, stream, x, addends[0],
-                      addends[-1])
-    return launch
 
 
 @functools.cache

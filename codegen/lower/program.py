@@ -150,27 +150,23 @@ class _Lowering:
             return Step(name, pointwise.make_embed(table.ggml_type, hp.n_embd), (inputs[0], table, out))
         if op == "rmsnorm":
             return Step(name, pointwise.make_rmsnorm(shape[1], hp.rms_eps), (inputs[0], self.vector(weights[0]), out))
-        if op == "head_rmsnorm":
-            head_dim = hp.head_dim_k
-            return Step(name, pointwise.make_head_rmsnorm(shape[1] // head_dim, head_dim, hp.rms_eps),
-                        (inputs[0], self.vector(weights[0]), out))
-        if op == "rope":
+        if op == "rope":        # with a weight: each head RMSNormed first (qwen3moe's q/k norm)
             x, positions = inputs
-            launch = pointwise.make_rope(shape[1] // hp.head_dim_k, hp.head_dim_k, hp.n_rot, hp.rope_base)
-            return Step(name, launch, (x, positions))
-        if op == "matmul":
+            norm = self.vector(weights[0]) if weights else self.f32_placeholder
+            launch = pointwise.make_rope(shape[1] // hp.head_dim_k, hp.head_dim_k, hp.n_rot, hp.rope_base,
+                                         hp.rms_eps if weights else None)
+            return Step(name, launch, (x, norm, positions))
+        if op == "matmul":      # in place on the residual stream, where there is one: out is its buffer
             w = self.weight(weights[0])
             has_bias = len(weights) > 1
             bias = self.vector(weights[1]) if has_bias else self.f32_placeholder
-            launch = matmul.make_matmul(node.get("family", family), w.ggml_type, w.shape[-1], w.shape[-2], has_bias)
+            launch = matmul.make_matmul(node.get("family", family), w.ggml_type, w.shape[-1], w.shape[-2], has_bias,
+                                        residual=node["inplace"] is not None)
             return Step(name, launch, (inputs[0], w, bias, out))
         if op == "swiglu_matmul":
             gate, up = self.weight(weights[0]), self.weight(weights[1])
             launch = matmul.make_swiglu_matmul(family, gate.ggml_type, gate.shape[-1], gate.shape[-2])
             return Step(name, launch, (inputs[0], gate, up, out))
-        if op == "add":
-            x, *addends = inputs
-            return Step(name, pointwise.make_add(shape[1], len(addends)), (x, *addends))
         if op == "concat":
             a, b = inputs
             return Step(name, pointwise.make_concat(a.shape[1], b.shape[1]), (a, b, out))
@@ -195,15 +191,16 @@ class _Lowering:
             host_gate, host_up, _ = self.host_experts.get(layer, (gate, up, None))     # none: the slot arrays
             return Step(name, launch, (h, groups, self.expert_slots[layer], gate, up, host_gate, host_up, out))
         if op == "moe_down_matmul":
-            act, groups, *route_weights, _h = inputs     # h: an input only to stay live (codegen.graph)
+            # h: an input only to stay live (codegen.graph); decode: then the residual stream, out's buffer
+            act, groups, *route_weights = inputs[:3] if family == "decode" else inputs[:2]
             down = self.weight(weights[0])
             launch = moe.make_moe_down_matmul(family, down.ggml_type, down.shape[-1], down.shape[-2],
                                                  hp.n_expert, hp.n_expert_used, down.slot_bytes)
             host_down = self.host_experts.get(layer, (None, None, down))[2]
             # prefill: no route weights (its terms are weighed by the combine)
             return Step(name, launch, (act, groups, *route_weights, self.expert_slots[layer], down, host_down, out))
-        if op == "moe_combine":
-            return Step(name, moe.make_moe_combine(hp.n_embd, hp.n_expert_used), (*inputs, out))
+        if op == "moe_combine":     # terms, ids, route weights, then the residual stream: out's buffer
+            return Step(name, moe.make_moe_combine(hp.n_embd, hp.n_expert_used), (*inputs[:3], out))
         if op == "kv_store":
             k, v, positions = inputs
             launch = kv_pages.make_kv_store(self.kv_type, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v,
