@@ -19,10 +19,11 @@ ROWS = (("runs", "the Qwen3-30B-A3B shape at Q8_0, 6 blocks", "memory budget (GB
 
 
 def draw_row(plt, axes, paths: list, title: str, budget_label: str) -> None:
-    budgets = []
     for index, path in enumerate(paths):
         rows = json.loads(Path(path).read_text())
-        budgets = budgets or sorted({row["budget"] for row in rows}, key=lambda b: float(b.split()[0]))
+        # a colour per budget by its rank in its run: runs label a fraction of a model's bytes differently
+        # once the plan's bytes change
+        budgets = sorted({row["budget"] for row in rows}, key=lambda b: float(b.split()[0]))
         colours = {budget: plt.cm.viridis(i / max(1, len(budgets) - 1)) for i, budget in enumerate(budgets)}
         alpha, label = (1.0, Path(path).stem) if index == 0 else (0.3, Path(path).stem)
         first_prompt = min(row["prompt"] for row in rows)
