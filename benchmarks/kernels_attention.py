@@ -7,7 +7,7 @@ the same run.
 
 Shape: Qwen3-30B-A3B (32 query heads, 4 kv heads, head dim 128), pages of 256 positions, K/V in f16 and q8_0.
 Decode: a window of 1 or 4 rows at positions 32764..32767 (32K tokens of K/V); a figure is partials + combine
-(v2-v5; "v5 alone": its partials kernel without the combine) or the one folded kernel (v6).
+(v2-v5; "v5 alone": its partials kernel without the combine).
 Timing: the launches are captured into a CUDA graph (as the runtime replays a decode step) and the graph
 replayed; each launch reads its own layer's K/V, enough layers to cycle >= 256 MB, so the 50 MB L2 holds none.
 Bytes = the K/V pages read (the window's q, partials and output are < 2% more); "% BW" is of the read
@@ -28,14 +28,11 @@ Versions (decode):
   v5  production (codegen.lower.attention_decode): a warp per tile of 32 positions, a lane per position for
       the scores (its K row read straight from the page, 4 chunks in flight) and per V dims for P V (4 rows
       in flight), the tile's max by shuffles, DECODE_WARPS warps a block merged at the end
-  v6  (not in the runtime yet) v5 with the combine folded in: the last of each 8 splits' blocks to finish (an atomic
-      counter a group, zeroed again by that block) merges them into split 8g's slot, and the last of those 8
-      merges the groups into the output, so no second kernel (`rel err` is checked again after the replays,
-      which reuse the counters)
 Prefill (--prefill: only this table; --decode: only the decode table): v1, the previous kernel (`codegen.lower.attention`, a block's 8 rows one
 after another, five barriers a row and tile); v2, production (`codegen.lower.attention_prefill`, a block's 32
 query vectors against each staged tile at once, register-blocked scores and P V).
-With --sweep, v4 is timed under other block cuts (`attention.Tuning`) and v5 and v6 with other warps a block.
+With --sweep, v4 is timed under other block cuts (`attention.Tuning`) and v5 with other warps a block. (v6, the
+combine folded into v5's kernel, measured slower and was removed: BENCHMARKS.md; its code is in 328846e.)
 """
 
 import math
@@ -48,7 +45,7 @@ from runtime.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_byte
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import attention as att
 from codegen.lower.attention_combine import make_attention_combine
-from codegen.lower.attention_decode import DECODE_WARPS, counter_words, make_decode_attention
+from codegen.lower.attention_decode import DECODE_WARPS, make_decode_attention
 from codegen.lower import kv_pages
 from codegen.lower.cuda import cuda
 from planner.kv import parse_kv_type, row_bytes
@@ -217,19 +214,15 @@ def decode_runs(layers: Layers, rows: int, version: str, cut):
         launch = _simple_decode(layers.kv_name, split=False)
         return [lambda stream, p=p: launch(stream, q, positions, layers.table, p, out) for p in layers.layers], out
     partials = cuda.device_array((rows, s["n_head"], ATTENTION_SPLITS, s["dv"] + 2), np.float32)
-    if version in ("v5", "v5 alone", "v6"):
-        counters = cuda.to_device(np.zeros(counter_words(s["n_head_kv"]), np.int32))
-        fused = make_decode_attention(layers.kv_name, s["n_head"], s["n_head_kv"], s["dk"], s["dv"],
-                                      s["page_tokens"], warps=cut, fold=version == "v6")
-
-        def launch(stream, q, positions, table, pages, partials):
-            fused(stream, q, positions, table, pages, partials, None, out, counters)
+    if version in ("v5", "v5 alone"):
+        launch = make_decode_attention(layers.kv_name, s["n_head"], s["n_head_kv"], s["dk"], s["dv"],
+                                       s["page_tokens"], warps=cut)
     elif version == "v2":
         launch = _simple_decode(layers.kv_name, split=True)
     else:
         launch = att._attention_launch("decode", layers.kv_name, s["n_head"], s["n_head_kv"], s["dk"], s["dv"],
                                        s["page_tokens"], cut)
-    combine = make_attention_combine(s["n_head"], s["dv"]) if version not in ("v5 alone", "v6") else None
+    combine = make_attention_combine(s["n_head"], s["dv"]) if version != "v5 alone" else None
 
     def enqueue(stream, pages):
         launch(stream, q, positions, layers.table, pages, partials)
@@ -239,9 +232,9 @@ def decode_runs(layers: Layers, rows: int, version: str, cut):
 
 
 def decode_row(layers: Layers, rows: int, version: str, label: str, bandwidth: float, peak: float, cut) -> list:
-    """cut: the v3/v4 kernel's `attention.Tuning`, or v5's and v6's warps a block. The error is taken after
-    the first launch and again after the timed replays (the worse; "v5 alone" has no output: its time is
-    the partials kernel's share of v5)."""
+    """cut: the v3/v4 kernel's `attention.Tuning`, or v5's warps a block. The error is taken after the first
+    launch and again after the timed replays (the worse; "v5 alone" has no output: its time is the partials
+    kernel's share of v5)."""
     enqueues, out = decode_runs(layers, rows, version, cut)
     enqueues[0](cuda.default_stream())
     want = layers.window_reference(rows)
@@ -269,13 +262,11 @@ def decode_versions(rng, bandwidth: float, peak: float, sweep: bool) -> None:
             for label, tuning in VERSIONS.items():
                 if label != "v4 +q8" or kv_name == "q8_0":
                     rows.append(decode_row(layers, window, "tiled", label, bandwidth, peak, tuning))
-            for version in ("v5", "v5 alone", "v6"):
+            for version in ("v5", "v5 alone"):
                 rows.append(decode_row(layers, window, version, version, bandwidth, peak, DECODE_WARPS))
             if sweep:
-                for version in ("v5", "v6"):
-                    for warps in (2, 6, 8):
-                        rows.append(decode_row(layers, window, version, f"{version} {warps} warps", bandwidth,
-                                               peak, warps))
+                for warps in (2, 6, 8):
+                    rows.append(decode_row(layers, window, "v5", f"v5 {warps} warps", bandwidth, peak, warps))
                 for tuning in SWEEP:
                     label = (f"v4 {tuning.tile} x{tuning.threads}{' hold q' if tuning.hold_q else ''}"
                              f"{' +q8' if T.Q8_0 in tuning.convert else ''}")

@@ -13,7 +13,7 @@ from gguf.constants import GGMLQuantizationType as T
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import MAX_WINDOW
 from codegen.lower import attention as att
-from codegen.lower.attention_decode import LANES as DECODE_TILE, block_warps, counter_words, make_decode_attention
+from codegen.lower.attention_decode import LANES as DECODE_TILE, block_warps, make_decode_attention
 from codegen.lower.attention_combine import make_attention_combine
 from codegen.lower import kv_pages
 from codegen.lower.cuda import cuda, mapped_filled
@@ -46,8 +46,6 @@ class Setup:
         self.q_from = q_from                   # queries for positions q_from..ctx-1
         self.q = rng.standard_normal((ctx - q_from, n_head * dk)).astype(np.float32)
         self.d_table = cuda.to_device(self.table)
-        # the folded merge's counters, one array for every launch (as a captured graph replays with them)
-        self.counters = cuda.to_device(np.zeros(counter_words(n_head_kv), np.int32))
         stored = ctx if stored is None else stored
         self.store(np.arange(stored, dtype=np.int32))
         self.k_ref = kv_round(self.k, self.kv.k_type)
@@ -74,23 +72,18 @@ class Setup:
                self.d_table, self.pages, out, host_pages)
         return out.copy_to_host()
 
-    def decode(self, positions, host_pages=None, window=0, warps=None, fold=False):
-        """(partials, output) of one decode window at `positions`: the production kernel and the combine
-        kernel, or with fold the kernel whose last blocks merge the splits (the benchmark's v6), whose
-        counters must be zero again after every launch."""
+    def decode(self, positions, host_pages=None, window=0, warps=None):
+        """(partials, combined output) of one decode window at `positions`."""
         rows = len(positions)
         partials = cuda.to_device(np.full((rows, self.n_head, ATTENTION_SPLITS, self.dv + 2), np.nan, np.float32))
         out = cuda.to_device(np.full((rows, self.n_head * self.dv), np.nan, np.float32))
         launch = (att.make_attention("decode", self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv,
-                                     self.page_tokens, window) if warps is None and not fold else
+                                     self.page_tokens, window) if warps is None else
                   make_decode_attention(self.kv_name, self.n_head, self.n_head_kv, self.dk, self.dv, self.page_tokens,
-                                        window, warps, fold))
+                                        window, warps))
         launch(0, cuda.to_device(self.q[positions - self.q_from]), cuda.to_device(positions.astype(np.int32)),
-               self.d_table, self.pages, partials, host_pages, out, self.counters)
-        if fold:
-            assert not self.counters.copy_to_host().any()
-        else:
-            make_attention_combine(self.n_head, self.dv)(0, partials, out)
+               self.d_table, self.pages, partials, host_pages)
+        make_attention_combine(self.n_head, self.dv)(0, partials, out)
         return partials.copy_to_host(), out.copy_to_host()
 
 
@@ -308,27 +301,11 @@ def test_decode_matches_the_reference(rng, kv_name, n_head, n_head_kv):
     assert not partials[:, :, used:, 1:].any()
 
 
-def test_the_partials_and_combine_kernels_agree_with_the_folded_merge(rng):
-    """Production (partials, then the combine kernel) and the benchmark's v6 (the last blocks merge the
-    splits, 8 at a time then the 8 groups) read the same partials and give the same output within float32
-    rounding (not bitwise: the merges group the splits differently)."""
-    tiles = ATTENTION_SPLITS + 3
-    setup = Setup(rng, "f16", tiles * DECODE_TILE - 1, n_head=2, n_head_kv=1, page_tokens=64)
-    positions = np.arange(setup.q_from + len(setup.q) - 3, setup.q_from + len(setup.q))
-    partials, folded = setup.decode(positions, fold=True)
-    split_partials, combined = setup.decode(positions)
-    others = np.arange(ATTENTION_SPLITS) % 8 != 0          # slots 0, 8, .. hold the groups' merges
-    np.testing.assert_array_equal(partials[:, :, others], split_partials[:, :, others])
-    assert _relative(folded, combined) < TOLERANCE
-    assert _relative(folded, setup.reference(positions)) < TOLERANCE
-
-
-@pytest.mark.parametrize("fold", [False, True])
-def test_decode_windows_give_the_rows_of_single_steps(rng, fold):
+def test_decode_windows_give_the_rows_of_single_steps(rng):
     setup = Setup(rng, "q8_0", 22, n_head=2, n_head_kv=1)
-    singles = [setup.decode(np.array([p]), fold=fold) for p in range(17, 22)]
+    singles = [setup.decode(np.array([p])) for p in range(17, 22)]
     for window in range(2, 6):
-        partials, out = setup.decode(np.arange(17, 17 + window), fold=fold)
+        partials, out = setup.decode(np.arange(17, 17 + window))
         for row in range(window):
             np.testing.assert_array_equal(partials[row], singles[row][0][0], err_msg=f"window {window} row {row}")
             np.testing.assert_array_equal(out[row], singles[row][1][0])
@@ -428,14 +405,13 @@ def test_gpu_stored_bytes_at_qwen3_shape(rng, kv_name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_name", KV_NAMES)
-@pytest.mark.parametrize("fold", [False, True])
-def test_gpu_decode_at_qwen3_shape(rng, kv_name, fold):
+def test_gpu_decode_at_qwen3_shape(rng, kv_name):
     base = ATTENTION_SPLITS * 256 + 300             # 522 tiles of 32: splits 0..9 hold 9, the rest 8
     setup = Setup(rng, kv_name, base + 5, q_from=base, **QWEN)
     reference = setup.reference(np.arange(base, base + 5))
-    singles = [setup.decode(np.array([p]), fold=fold) for p in range(base, base + 5)]
+    singles = [setup.decode(np.array([p])) for p in range(base, base + 5)]
     for window in range(1, 6):
-        partials, out = setup.decode(np.arange(base, base + window), fold=fold)
+        partials, out = setup.decode(np.arange(base, base + window))
         for row in range(window):
             np.testing.assert_array_equal(partials[row], singles[row][0][0], err_msg=f"window {window} row {row}")
         assert _relative(out, reference[:window]) < TOLERANCE

@@ -18,12 +18,7 @@ turn: warp w the split's tiles w, w + DECODE_WARPS, ... . Rows are taken one aft
 At the row's end each warp adds its lanes' sums of exp (`warp_sum`, a fixed butterfly), and the warps' sums
 are merged in warp order into
 partials f32 (rows, n_head, ATTENTION_SPLITS, dv + 2) = (max, sum of exp, weighted V sum); a split that
-reached no tile writes (-inf, 0, 0). `codegen.lower.attention_combine` merges the splits, or, with `fold`
-(the benchmark's v6, measured slower than v5 + combine and not in the runtime: BENCHMARKS.md), the kernel does: after writing its partial a block counts
-itself in its group's int32 counter (splits 8g..8g + 7, MERGE_FAN); the group's last block zeroes the
-counter and merges the 8 in split order into slot 8g, then counts itself in the groups' counter, whose last
-block merges slots 0, 8, .. 56 in order into the output. The order is fixed whichever block finishes last,
-and every counter is zero again after the launch (a captured graph replays). Every position a
+reached no tile writes (-inf, 0, 0). `codegen.lower.attention_combine` merges the splits. Every position a
 lane reads is clamped into the row's reach, so no load leaves the pages the row may read (a drafter's ring
 holds only its window) and nothing unwritten is multiplied in (its probability is 0, its value finite).
 
@@ -58,8 +53,6 @@ CHUNK_WORDS = 4             # a lane's load of a K row: 16 bytes (`load4`)
 K_AHEAD = 4                 # chunks of its K row a lane has in flight (the kernel names four)
 V_AHEAD = 4                 # positions whose V words a lane has in flight (the kernel names four)
 MAX_V_WORDS = 4             # words of a V row a lane sums at most (f16: head dim 256)
-MERGE_FAN = 8               # partials one merge takes: splits 8g..8g + 7 into slot 8g, then slots 0, 8, .. 56
-MERGE_GROUPS = ATTENTION_SPLITS // MERGE_FAN
 
 NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0)
@@ -79,15 +72,8 @@ def _word_format(ggml_type: T):
 
 
 def _scratch_floats(group: int, dv: int, warps: int) -> int:
-    """Each warp's probabilities of a tile, then each warp's V sums, then a merge's maxima, sums of exp,
-    weights and each head's (max, sum)."""
-    return max(warps * LANES * group, warps * group * dv, 3 * group * MERGE_FAN + 2 * group)
-
-
-def counter_words(n_head_kv: int) -> int:
-    """int32 counters the folded merge takes (module doc): per (row, kv head), one a group of MERGE_FAN splits
-    and one for the groups; zero before a launch and zero again after it."""
-    return MAX_WINDOW * n_head_kv * (MERGE_GROUPS + 1)
+    """Each warp's probabilities of a tile, then each warp's V sums."""
+    return max(warps * LANES * group, warps * group * dv)
 
 
 def shared_floats(group: int, dk: int, dv: int, warps: int) -> int:
@@ -104,14 +90,10 @@ def block_warps(group: int, dk: int, dv: int, preferred: int = DECODE_WARPS) -> 
 
 @functools.cache
 def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, page_tokens: int,
-                            window: int, warps: int, fold: bool = True, n_head_kv: int = 1):
+                            window: int, warps: int):
     """The kernel (module doc) and its threads a block; window > 0: a row at position p reads positions
-    p - window + 1 .. p only. Results depend on `warps` (the order the warps' sums are merged in). fold:
-    the last blocks of a (row, kv head) merge its splits into the output (else only the partials are
-    written, for `codegen.lower.attention_combine`: the benchmark's v5)."""
+    p - window + 1 .. p only. Results depend on `warps` (the order the warps' sums are merged in)."""
     G, NW, PT, splits = group, warps, page_tokens, ATTENTION_SPLITS
-    FAN, GROUPS = MERGE_FAN, MERGE_GROUPS
-    V_PER_THREAD = -(-G * dv // (NW * LANES))       # output values a thread merges
     k_vpw, k_decode, k_elem = _word_format(k_type)
     v_vpw, v_decode, v_elem = _word_format(v_type)
     k_words, v_words = dk // k_vpw, dv // v_vpw               # words a head's row
@@ -211,73 +193,9 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                 for e in range(v_vpw):
                     acc[(h * v_per_lane + i) * v_vpw + e] += p * v_vals[i, e]
 
-    @cuda.jit(device=True, inline=True)
-    def merge(partials, out, row, kv_head, first, step, to_out, tid, scratch, values):
-        """Slots first, first + step, .. (MERGE_FAN of them) of the row's G heads merged in slot order: with
-        to_out into out (V sums over the sum of exp), else into slot `first` as one partial (max, sum of
-        exp, V sums) at their max. Each thread reads then writes only its own (head, dim) elements, so
-        slot `first` can be overwritten in place; its V loads all go out before the first sum."""
-        threads = NW * LANES
-        maxima, sums, weights, tops, dens = 0, G * FAN, 2 * G * FAN, 3 * G * FAN, 3 * G * FAN + G
-        for e in range(tid, G * FAN, threads):
-            head, slot = kv_head * G + e // FAN, first + step * (e % FAN)
-            scratch[maxima + e] = partials[_U(row), _U(head), _U(slot), _U(0)]
-            scratch[sums + e] = partials[_U(row), _U(head), _U(slot), _U(1)]
-        cuda.syncthreads()
-        for h in range(tid, G, threads):
-            top = NEG_INF
-            for i in range(FAN):
-                top = max(top, scratch[maxima + h * FAN + i])
-            den = _ZERO
-            for i in range(FAN):
-                m = scratch[maxima + h * FAN + i]
-                w = _ZERO if m == NEG_INF else math.exp(m - top)
-                scratch[weights + h * FAN + i] = w
-                if w != _ZERO:
-                    den += w * scratch[sums + h * FAN + i]
-            scratch[tops + h] = top
-            scratch[dens + h] = den
-        cuda.syncthreads()
-        for k in range(V_PER_THREAD):
-            e = tid + threads * k
-            if e < G * dv:
-                h, d = e // dv, e % dv
-                for i in range(FAN):
-                    values[i] = partials[_U(row), _U(kv_head * G + h), _U(first + step * i), _U(2 + d)]
-                total = _ZERO
-                for i in range(FAN):
-                    w = scratch[weights + h * FAN + i]
-                    if w != _ZERO:
-                        total += w * values[i]
-                if to_out:
-                    out[_U(row), _U((kv_head * G + h) * dv + d)] = total / scratch[dens + h]
-                else:
-                    partials[_U(row), _U(kv_head * G + h), _U(first), _U(2 + d)] = total
-                    if d == 0:
-                        partials[_U(row), _U(kv_head * G + h), _U(first), _U(0)] = scratch[tops + h]
-                        partials[_U(row), _U(kv_head * G + h), _U(first), _U(1)] = scratch[dens + h]
-
-    @cuda.jit(device=True, inline=True)
-    def last_to_arrive(counters, at, arrivals, tid, flag):
-        """Whether this block is the last of `arrivals` to count itself at counters[at] (which it then
-        zeroes, so the next launch finds it zero): each thread's writes are made visible first, and the
-        last block's later reads see every other block's."""
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == 0:
-            flag[0] = cuda.atomic.add(counters, _U(at), np.int32(1))
-        cuda.syncthreads()
-        last = flag[0] == arrivals - 1
-        cuda.syncthreads()          # every thread has read the flag before it is written again
-        if last:
-            if tid == 0:
-                counters[_U(at)] = np.int32(0)
-            cuda.threadfence()
-        return last
-
     @cuda.jit
     def kernel(q, positions, page_table, k_data, k_scales, v_data, v_scales, hk_data, hk_scales, hv_data,
-               hv_scales, partials, out, counters):
+               hv_scales, out):
         tid = cuda.threadIdx.x
         lane = tid % LANES
         warp = tid // LANES
@@ -298,16 +216,18 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
         acc = cuda.local.array(acc_size, np.float32)
         k_vals = cuda.local.array((CHUNK_WORDS, k_vpw), np.float32)
         v_vals = cuda.local.array((MAX_V_WORDS, v_vpw), np.float32)
-        flag = cuda.shared.array(1, np.int32)                       # an arrival's count, for the block
-        values = cuda.local.array(FAN, np.float32)                  # a merge's V sums in flight
 
         for row in range(q.shape[0]):
             pos = positions[row]
             lo = max(pos - window + 1, 0) if window else 0
-            # the split's tiles j = first..last that meet the row's reach lo..pos (none: the loop below
-            # takes no tile and the merge over warps writes the neutral partial, (-inf, 0, 0))
+            # the split's tiles j = first..last that meet the row's reach lo..pos
             first = max(0, -(-(lo // LANES - split) // splits))
             last = (pos // LANES - split) // splits if pos >= 0 and pos // LANES >= split else -1
+            if last < first:        # (the same for the whole block) no tile: the neutral partial
+                for e in range(tid, G * (dv + 2), threads):
+                    out[_U(row), _U(kv_head * G + e // (dv + 2)), _U(split), _U(e % (dv + 2))] = \
+                        NEG_INF if e % (dv + 2) == 0 else _ZERO
+                continue
             for e in range(tid, G * dk, threads):
                 h = e // dk
                 q_t[e % dk * G + h] = q[_U(row), _U((kv_head * G + h) * dk + e % dk)]
@@ -420,48 +340,33 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                     weight = weights[w * G + h]
                     if weight != _ZERO and x > 0:
                         total += weight * (warp_sums[w * G + h] if x == 1 else scratch[_U((w * G + h) * dv + x - 2)])
-                partials[_U(row), _U(kv_head * G + h), _U(split), _U(x)] = top if x == 0 else total
+                out[_U(row), _U(kv_head * G + h), _U(split), _U(x)] = top if x == 0 else total
             cuda.syncthreads()
-            if fold:
-                base = (row * n_head_kv + kv_head) * (GROUPS + 1)
-                if last_to_arrive(counters, base + split // FAN, FAN, tid, flag):
-                    merge(partials, out, row, kv_head, split // FAN * FAN, 1, False, tid, scratch, values)
-                    if last_to_arrive(counters, base + GROUPS, GROUPS, tid, flag):
-                        merge(partials, out, row, kv_head, 0, FAN, True, tid, scratch, values)
-                cuda.syncthreads()
 
     return kernel, threads
 
 
 @functools.cache
 def make_decode_attention(kv_type_name, n_head: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
-                          page_tokens: int, window_tokens: int = 0, warps: int | None = None, fold: bool = False):
-    """launch(stream, q, positions, page_table, pages, partials, host_pages=None, out=None, counters=None): q
-    f32 (rows, n_head*dk) with RoPE applied, 1..MAX_WINDOW rows at int32 `positions`, against positions 0..p
-    already stored (a page from its slot, or from `host_pages`, the whole context in mapped host memory, where
-    the table says -1); partials f32 (rows, n_head, ATTENTION_SPLITS, dv + 2). `codegen.lower.attention.
-    make_attention` checks the arguments. `warps`: a block's (`block_warps` by default; others are for the
-    benchmark's sweep). fold (the benchmark's v6, measured slower, not in the runtime: BENCHMARKS.md): the kernel's last
-    blocks also merge the splits into out f32 (rows, n_head*dv), counting in counters int32
-    (`counter_words(n_head_kv)`,), zero before and after (slots 0, 8, .. 56 of partials end up holding the
-    groups' merges); without, out and counters are not taken and `codegen.lower.attention_combine` merges."""
+                          page_tokens: int, window_tokens: int = 0, warps: int | None = None):
+    """launch(stream, q, positions, page_table, pages, partials, host_pages=None): q f32 (rows, n_head*dk)
+    with RoPE applied, 1..MAX_WINDOW rows at int32 `positions`, against positions 0..p already stored (a page
+    from its slot, or from `host_pages`, the whole context in mapped host memory, where the table says -1);
+    partials f32 (rows, n_head, ATTENTION_SPLITS, dv + 2). `codegen.lower.attention.make_attention` checks the
+    arguments. `warps`: a block's (`block_warps` by default; others are for the benchmark's sweep)."""
     kv = kv_types(kv_type_name)
     if warps is None:
         warps = block_warps(n_head // n_head_kv, head_dim_k, head_dim_v) or 1   # (0: the kernel says why)
     kernel, threads = decode_attention_kernel(kv.k_type, kv.v_type, n_head // n_head_kv, head_dim_k, head_dim_v,
-                                              page_tokens, window_tokens, warps, fold, n_head_kv)
+                                              page_tokens, window_tokens, warps)
     blocks = n_head_kv * ATTENTION_SPLITS
 
-    def launch(stream, q, positions, page_table, pages, partials, host_pages=None, out=None, counters=None):
+    def launch(stream, q, positions, page_table, pages, partials, host_pages=None):
         rows = q.shape[0]
         if rows > MAX_WINDOW:
             raise ValueError(f"a decode window holds at most {MAX_WINDOW} rows, got {rows}")
         if not rows:
             return
-        if fold and (out is None or counters is None or counters.shape != (counter_words(n_head_kv),)):
-            raise ValueError(f"folded decode attention takes out and {counter_words(n_head_kv)} int32 counters")
-        if not fold:        # typed stand-ins the kernel never touches
-            out, counters = partials.reshape(rows, -1), positions
         arrays = aligned_kernel_arrays(pages, host_pages, "decode attention")
-        launch_kernel(kernel, blocks, threads, stream, q, positions, page_table, *arrays, partials, out, counters)
+        launch_kernel(kernel, blocks, threads, stream, q, positions, page_table, *arrays, partials)
     return launch
