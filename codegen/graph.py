@@ -133,9 +133,7 @@ class _Builder:
         q = self.matmul(p + "q", h, p + "attn_q", rows, e, q_dim)
         k = self.matmul(p + "k", h, p + "attn_k", rows, e, k_dim)
         v = self.matmul(p + "v", h, p + "attn_v", rows, e, v_dim)
-        # qwen3moe (and a glm4moe that has the weights) norms each head of q and k before the rotation: one
-        # kernel does both (codegen.lower.pointwise)
-        qk_norm = p + "attn_q_norm.weight" in self.bytes
+        qk_norm = hp.qk_norm    # each head of q and k normed before the rotation: one kernel does both
         q = self.op(p + "q_rope", "rope", [q, "positions"], (rows, q_dim),
                     flops=6.0 * rows * hp.n_head * hp.n_rot // 2 + (4.0 * rows * q_dim if qk_norm else 0),
                     weights=(p + "attn_q_norm.weight",) if qk_norm else (), inplace=q)

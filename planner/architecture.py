@@ -36,6 +36,8 @@ class HParams:
     rope_base: float
     expert_weights_scale: float
     expert_weights_norm: bool
+    qk_norm: bool           # each head of q and k RMSNormed before RoPE: qwen3moe always, glm4moe where the
+                            # model has attn_q_norm/attn_k_norm (GLM-4.5 does, GLM-4.5-Air does not)
 
     @property
     def n_trunk(self) -> int:
@@ -70,8 +72,10 @@ METADATA_KEYS = {
 }
 
 
-def hparams_from_metadata(metadata: dict, source: str, vocab_from_tensors: int | None = None) -> HParams:
-    """Read an architecture's hyperparameters; a missing key is refused by name."""
+def hparams_from_metadata(metadata: dict, source: str, vocab_from_tensors: int | None = None,
+                          qk_norm: bool = False) -> HParams:
+    """Read an architecture's hyperparameters; a missing key is refused by name. qk_norm: whether a glm4moe
+    has the q/k norm tensors (no metadata key says it; llama.cpp loads them where they are)."""
     architecture = metadata.get("general.architecture")
     if architecture is None:
         raise StratumError("missing metadata key 'general.architecture'", source=source)
@@ -93,6 +97,7 @@ def hparams_from_metadata(metadata: dict, source: str, vocab_from_tensors: int |
         values["n_nextn"], values["n_leading_dense"], values["n_expert_shared"] = 0, 0, 0
         values["expert_weights_norm"] = True   # qwen3moe always renormalises its top-k weights
         values["expert_weights_scale"] = 1.0   # and llama.cpp applies no weight scale to it
+    values["qk_norm"] = qk_norm or architecture == "qwen3moe"
     if values["expert_weights_norm"] is None:
         values["expert_weights_norm"] = False
     if values["n_head"] == 0:
@@ -140,9 +145,10 @@ def tensor_layout(hp: HParams) -> list[tuple[str, tuple[int, ...]]]:
         blk = f"blk.{layer}."
         block = [("attn_norm.weight", (e,)), ("attn_q.weight", (e, q_dim)), ("attn_k.weight", (e, k_dim)),
                  ("attn_v.weight", (e, v_dim)), ("attn_output.weight", (q_dim, e))]
+        if hp.qk_norm:
+            block += [("attn_q_norm.weight", (hp.head_dim_k,)), ("attn_k_norm.weight", (hp.head_dim_k,))]
         if hp.architecture == "qwen3moe":
-            block += [("attn_q_norm.weight", (hp.head_dim_k,)), ("attn_k_norm.weight", (hp.head_dim_k,)),
-                      ("ffn_norm.weight", (e,))]
+            block += [("ffn_norm.weight", (e,))]
         else:
             block += [("attn_q.bias", (q_dim,)), ("attn_k.bias", (k_dim,)), ("attn_v.bias", (v_dim,)),
                       ("post_attention_norm.weight", (e,))]

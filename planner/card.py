@@ -10,6 +10,7 @@ code is the same for both, and a plan made from a card accepts the real GGUF tha
     types: {default: q8_0, output: q6_k}                       # role -> GGML type
     overrides:                                                 # optional, per layer
       - {role: ffn_down_exps, layers: use_more_bits, type: q6_k}
+    qk_norm: true      # glm4moe only, optional: the model norms q and k heads (GLM-4.5; qwen3moe always does)
 
 Norms, biases and the router (`ffn_gate_inp`) are F32, as llama.cpp leaves them, unless a type names them.
 """
@@ -37,16 +38,21 @@ def card_header(path) -> GGUFHeader:
     card = read_document(path, "model card")
     if not isinstance(card, dict):
         raise StratumError("expected a mapping with architecture, metadata and types", source=source)
-    unknown = sorted(set(card) - {"name", "description", "architecture", "metadata", "types", "overrides"})
+    unknown = sorted(set(card) - {"name", "description", "architecture", "metadata", "types", "overrides",
+                                  "qk_norm"})
     if unknown:
-        raise StratumError("unknown field; known: name, description, architecture, metadata, types, overrides",
-                           source=source, field=unknown[0])
+        raise StratumError("unknown field; known: name, description, architecture, metadata, types, overrides, "
+                           "qk_norm", source=source, field=unknown[0])
     architecture = card.get("architecture")
     if not isinstance(card.get("metadata"), dict):
         raise StratumError("expected a mapping of GGUF metadata keys", source=source, field="metadata")
     metadata = {"general.architecture": architecture, "general.name": card.get("name", Path(path).stem)}
     metadata.update({f"{architecture}.{key}": value for key, value in card["metadata"].items()})
-    hp = hparams_from_metadata(metadata, source)
+    qk_norm = card.get("qk_norm", False)
+    if not isinstance(qk_norm, bool) or (qk_norm and architecture != "glm4moe"):
+        raise StratumError("expected true or false, and only for glm4moe (qwen3moe always norms q and k)",
+                           source=source, field="qk_norm")
+    hp = hparams_from_metadata(metadata, source, qk_norm=qk_norm)
     types = _types(card, source)
     overrides = _overrides(card, hp.n_layer, source)
     tensors, offset = [], 0

@@ -213,9 +213,9 @@ def inventory(header: GGUFHeader, name: str) -> Model:
     """Classify every tensor of a header and check it against its architecture's layout."""
     source = header.source
     embedding = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
-    hp = hparams_from_metadata(header.metadata, source, embedding.shape[1] if embedding and len(embedding.shape) > 1
-                               else None)
     present = {t.name: t for t in header.tensors}
+    hp = hparams_from_metadata(header.metadata, source, embedding.shape[1] if embedding and len(embedding.shape) > 1
+                               else None, qk_norm="blk.0.attn_q_norm.weight" in present)
     for tensor_name, shape in tensor_layout(hp):
         tensor = present.get(tensor_name)
         if tensor is None:

@@ -89,7 +89,8 @@ def write_model(path, architecture: str, *, seed: int, types: dict | None = None
 
     shape: any of n_trunk, n_embd, n_head, n_head_kv, head_dim, n_rot, n_ff, n_ff_exp, n_expert, n_expert_used,
     n_expert_shared, n_leading_dense, n_vocab, n_ctx_train, rms_eps, rope_base, expert_weights_scale,
-    expert_weights_norm (defaults: a tiny model, `_DEFAULT_SHAPES`). nextn: NextN blocks (glm4moe 1, qwen3moe 0).
+    expert_weights_norm (defaults: a tiny model, `_DEFAULT_SHAPES`), and qk_norm (glm4moe: the q/k head norms
+    GLM-4.5 has; qwen3moe always has them). nextn: NextN blocks (glm4moe 1, qwen3moe 0).
     types: tensor type per role (`attn_q`, `ffn_down_exps`, ...) or group (`experts`: the routed experts,
     `dense`: every other matrix, `default`), as f32, f16, bf16, q8_0 or q4_0; F32 otherwise. Norms, biases and
     the router stay F32 unless their own role is named.
@@ -196,10 +197,11 @@ def _describe(architecture: str, nextn: int | None, shape: dict) -> tuple[dict, 
     from it (its checks refuse an inconsistent shape)."""
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise StratumError(f"unknown architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    unknown = sorted(set(shape) - set(_SHAPE_KEYS) - {"n_trunk"})
+    unknown = sorted(set(shape) - set(_SHAPE_KEYS) - {"n_trunk", "qk_norm"})
     if unknown:
-        raise TypeError(f"unknown shape keyword {unknown[0]!r}; known: n_trunk, {', '.join(_SHAPE_KEYS)}")
+        raise TypeError(f"unknown shape keyword {unknown[0]!r}; known: n_trunk, qk_norm, {', '.join(_SHAPE_KEYS)}")
     shape = {**_DEFAULT_SHAPES[architecture], **shape}
+    qk_norm = shape.pop("qk_norm", False)
     nextn = _DEFAULT_NEXTN[architecture] if nextn is None else nextn
     if architecture == "qwen3moe" and nextn:
         raise StratumError("qwen3moe has no NextN blocks; nextn must be 0")
@@ -213,7 +215,8 @@ def _describe(architecture: str, nextn: int | None, shape: dict) -> tuple[dict, 
         metadata[prefix + "nextn_predict_layers"] = ("u32", nextn)
         metadata[prefix + "expert_gating_func"] = ("u32", _GATING_SIGMOID)
     values = {key: value for key, (_, value) in metadata.items()}
-    hp = hparams_from_metadata({**values, "general.architecture": architecture}, f"synthetic {architecture}")
+    hp = hparams_from_metadata({**values, "general.architecture": architecture}, f"synthetic {architecture}",
+                               qk_norm=qk_norm)
     return metadata, hp
 
 

@@ -24,6 +24,16 @@ def test_card_and_its_gguf_header_give_the_same_inventory(tmp_path, card):
     assert from_file.total_bytes == sum(t.n_bytes for t in read_header(path).tensors)
 
 
+def test_glm_4_5_norms_q_and_k_heads_and_air_does_not():
+    """The card's qk_norm gives every block its attn_q_norm/attn_k_norm (what the real GGUF has, so the plan's
+    fingerprint accepts it); a header with them reads as qk_norm, one without as not."""
+    full, air = load_model("glm-4.5-q4_k_m"), load_model("glm-4.5-air-q4_k_m")
+    assert full.hparams.qk_norm and not air.hparams.qk_norm
+    names = {t.name for t in full.tensors}
+    assert all(f"blk.{b}.attn_{x}_norm.weight" in names for b in range(full.hparams.n_layer) for x in "qk")
+    assert not any("attn_q_norm" in t.name for t in air.tensors)
+
+
 def test_classes_partition_the_bytes_exactly():
     model = load_model("glm-4.5-air-q4_k_m")
     classes = ("dense", "expert", "drafter_dense", "drafter_expert")
@@ -149,6 +159,7 @@ def test_shape_that_disagrees_with_the_metadata_is_refused(tmp_path):
     ({"types": {"default": "q4_k"}, "metadata_drop": "embedding_length"}, "missing metadata key"),
     ({"overrides": [{"role": "attn_v", "layers": [999], "type": "q6_k"}]}, "list of block indices"),
     ({"colour": "red"}, "colour: unknown field"),
+    ({"qk_norm": "yes"}, "qk_norm: expected true or false"),
 ])
 def test_bad_cards_are_refused_with_the_field(tmp_path, change, message):
     card = yaml.safe_load((MODELS_DIR / "glm-4.5-air-q4_k_m.yaml").read_text())

@@ -31,6 +31,7 @@ def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("models")
     return {"qwen3moe": write_model(folder / "qwen.gguf", "qwen3moe", seed=11),
             "glm4moe": write_model(folder / "glm.gguf", "glm4moe", seed=12),
+            "glm4moe-qk-norm": write_model(folder / "glm-qk.gguf", "glm4moe", seed=14, qk_norm=True),
             "glm4moe-quantized": write_model(folder / "glm-q.gguf", "glm4moe", seed=13,
                                              types={"experts": "q8_0", "dense": "q4_0", "token_embd": "bf16"})}
 
@@ -79,10 +80,13 @@ def test_a_prompt_and_a_decode_step_match_the_reference(models, architecture, kv
     assert relative_l2(got, reference.forward(path, ids, kv_type=kv, kv_cache=stored)[1:]) < tolerance(kv)
 
 
-def test_every_node_of_a_glm4moe_prompt_pass_matches_its_reference_op(models, rng):
+@pytest.mark.parametrize("architecture", ["glm4moe", "glm4moe-qk-norm"])
+def test_every_node_of_a_glm4moe_prompt_pass_matches_its_reference_op(models, architecture, rng):
     """Each kernel of a whole pass (leading dense block, sigmoid router with bias, shared expert, partial RoPE,
-    attention biases) against its float64 op on the inputs it actually got: a failure names the node."""
-    runner = PassRunner(models["glm4moe"], kv="f32")
+    with GLM-4.5's q/k head norms or without, attention biases) against its float64 op on the inputs it actually
+    got: a failure names the node."""
+    runner = PassRunner(models[architecture], kv="f32")
+    assert runner.hp.qk_norm == (architecture == "glm4moe-qk-norm")
     errors = node_errors(runner, "prefill", prompt(rng, runner, 3))
     checked = {name.split(".")[-1] for name, _ in errors}
     assert {"attn_norm", "q", "q_rope", "attention", "ffn_gate_up", "router", "topk", "route_weights",
