@@ -30,9 +30,10 @@ from runtime.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_byte
 from codegen.cost import measured_tile_rows_per_pair
 from codegen.graph import moe_groups_length
 from codegen.lower import matmul, moe, weights
-from codegen.lower.cuda import cuda, device_name, mapped_filled
+from codegen.lower.cuda import cuda, device_name
 from codegen.lower.word_formats import FORMATS
 from runtime import reference
+from runtime.synthetic import random_packed
 
 L2_DEFEAT_BYTES = 256 << 20     # weight copies a timed graph cycles through, at least
 MIN_LAUNCHES = 8                # launches per timed graph, at least
@@ -52,20 +53,6 @@ CHECK_ROWS = 64                 # output columns (decode) / rows (prefill) check
 def launches(enqueue, count: int) -> list:
     """enqueue(stream, i) for i < count, as the list `graph_seconds` captures (launch i reads copy i)."""
     return [lambda stream, i=i: enqueue(stream, i) for i in range(count)]
-
-
-def random_packed(rng, ggml_type, shape) -> weights.PackedWeight:
-    """Random weights in the packed layout, made directly (quantizing 600M floats would take minutes)."""
-    ggml_type = T(ggml_type)
-    if ggml_type == T.F32:
-        return weights.PackedWeight(T.F32, shape, rng.standard_normal(shape, dtype=np.float32), None)
-    blocks = (*shape[:-1], shape[-1] // weights.QUANT_BLOCK)
-    scales = (rng.random(blocks, dtype=np.float32) * 0.02 + 0.001).astype(np.float16)
-    if ggml_type == T.Q8_0:
-        data = rng.integers(-127, 128, shape, dtype=np.int8)
-    else:
-        data = rng.integers(0, 256, (*shape[:-1], shape[-1] // 2), dtype=np.uint8)
-    return weights.PackedWeight(ggml_type, shape, data, scales)
 
 
 def rows_of(packed, index) -> np.ndarray:
@@ -201,7 +188,7 @@ def _gemv_v4(x, q32, s, out):
 
 def decode_versions(rng, bandwidth):
     n_out, n_in = 12288, 4096
-    packed = random_packed(rng, T.Q8_0, (n_out, n_in))
+    packed = random_packed((n_out, n_in), T.Q8_0, rng)
     copies = copies_for(packed.nbytes)
     device = [weights.upload(packed) for _ in range(copies)]
     x = cuda.to_device(rng.standard_normal((1, n_in), dtype=np.float32))
@@ -315,7 +302,7 @@ def _gemm_v3(x, w, out):
 
 def prefill_versions(rng, peak):
     n_out, n_in, rows = 4096, 4096, 2048
-    packed = random_packed(rng, T.F32, (n_out, n_in))
+    packed = random_packed((n_out, n_in), T.F32, rng)
     w = weights.upload(packed)
     x = cuda.to_device(rng.standard_normal((rows, n_in), dtype=np.float32))
     out = cuda.device_array((rows, n_out), np.float32)
@@ -353,7 +340,7 @@ def decode_table(rng, bandwidth):
     rows = []
     for ggml_type in (T.Q8_0, T.Q4_0):
         for n_out, n_in in DECODE_SHAPES:
-            packed = random_packed(rng, ggml_type, (n_out, n_in))
+            packed = random_packed((n_out, n_in), ggml_type, rng)
             copies = copies_for(packed.nbytes)
             device = [weights.upload(packed) for _ in range(copies)]
             launch = matmul.make_matmul("decode", ggml_type, n_in, n_out, False)
@@ -385,7 +372,7 @@ def decode_sweep(rng, bandwidth):
     fmt = FORMATS[T.Q8_0]
     placeholder = cuda.to_device(np.zeros(1, np.float32))
     for n_out, n_in in [(4096, 4096), (12288, 4096), (151936, 4096)]:
-        packed = random_packed(rng, T.Q8_0, (n_out, n_in))
+        packed = random_packed((n_out, n_in), T.Q8_0, rng)
         copies = copies_for(packed.nbytes)
         device = [matmul.words(weights.upload(packed)) for _ in range(copies)]
         x = cuda.to_device(rng.standard_normal((1, n_in), dtype=np.float32))
@@ -402,24 +389,16 @@ def decode_sweep(rng, bandwidth):
                                                     "chunks in flight", "us", "of read BW", ""], rows)
 
 
-def mapped_upload(packed: weights.PackedWeight) -> weights.DeviceWeight:
-    """A packed weight in mapped pinned host memory (zero-copy: kernels read it over the bus)."""
-    def mapped(array):
-        return mapped_filled(array.shape, array.dtype, array)
-    scales = packed.scales if packed.scales is not None else np.zeros(1, np.float16)
-    return weights.DeviceWeight(packed.ggml_type, packed.shape, mapped(packed.data), mapped(scales))
-
-
 def moe_decode_step(rng, bandwidth, sweep=False):
     """One decode step of a Qwen3-30B-A3B MoE layer (Q8_0): groups, gate/up, down; expert ids on the device,
     each captured step using 8 other experts (16 steps cycle through all 128: nothing stays in L2). Experts
     read from VRAM slots, then (slot_of -1) from the mapped host copy.
     `sweep`: also time gate/up and down over their free shape parameters."""
     e_dim, f_dim, n_expert, k = (QWEN3_30B[key] for key in ("n_embd", "n_ff", "n_expert", "k"))
-    gate, up = (random_packed(rng, T.Q8_0, (n_expert, f_dim, e_dim)) for _ in range(2))
-    down = random_packed(rng, T.Q8_0, (n_expert, e_dim, f_dim))
+    gate, up = (random_packed((n_expert, f_dim, e_dim), T.Q8_0, rng) for _ in range(2))
+    down = random_packed((n_expert, e_dim, f_dim), T.Q8_0, rng)
     dg, du, dd = (weights.upload(p) for p in (gate, up, down))
-    hg, hu, hd = (mapped_upload(p) for p in (gate, up, down))
+    hg, hu, hd = (weights.mapped_upload(p) for p in (gate, up, down))
     slot_of = cuda.to_device(np.arange(n_expert, dtype=np.int32))
     from_host = cuda.to_device(np.full(n_expert, -1, np.int32))
     steps = n_expert // k
@@ -501,8 +480,8 @@ def moe_prefill(rng, peak):
     ones (4 * pairs * n_embd * n_ff for gate/up, half that for down); "tile rows" is the rows the 64-row expert
     tiles compute per useful pair row (the padding of each expert's last tile)."""
     e_dim, f_dim, n_expert, k = (QWEN3_30B[key] for key in ("n_embd", "n_ff", "n_expert", "k"))
-    gate, up = (random_packed(rng, T.Q8_0, (n_expert, f_dim, e_dim)) for _ in range(2))
-    down = random_packed(rng, T.Q8_0, (n_expert, e_dim, f_dim))
+    gate, up = (random_packed((n_expert, f_dim, e_dim), T.Q8_0, rng) for _ in range(2))
+    down = random_packed((n_expert, e_dim, f_dim), T.Q8_0, rng)
     dg, du, dd = (weights.upload(p) for p in (gate, up, down))
     slot_of = cuda.to_device(np.arange(n_expert, dtype=np.int32))
     make_groups = moe.make_moe_groups(n_expert, k)
@@ -550,7 +529,7 @@ def prefill_table(rng, peak, theoretical):
     rows = []
     for ggml_type in (T.F32, T.Q8_0):
         for n_out, n_in in PREFILL_SHAPES:
-            packed = random_packed(rng, ggml_type, (n_out, n_in))
+            packed = random_packed((n_out, n_in), ggml_type, rng)
             w = weights.upload(packed)
             dense = weights.dequantize(packed)
             launch = matmul.make_matmul("prefill", ggml_type, n_in, n_out, False)

@@ -10,7 +10,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import EXPERT_TILE_ROWS, moe_groups_length, prefill_tiling
 from codegen.lower import MAX_WINDOW, matmul, moe, weights
-from codegen.lower.cuda import cuda, mapped_filled
+from codegen.lower.cuda import cuda
 from codegen.lower.word_formats import FORMATS
 from runtime import reference
 
@@ -250,16 +250,6 @@ def select_experts(packed, experts):
     return weights.PackedWeight(packed.ggml_type, (len(experts), *packed.shape[1:]), data, scales)
 
 
-def mapped_upload(packed):
-    """A DeviceWeight in mapped pinned host memory (`cuda.mapped_array`, zero-copy: the runtime's host copy of
-    the experts). The simulator's cuda.mapped_array is a plain simulated device array, so there this checks
-    the two-source logic, not the memory; on the GPU the kernels read the host memory itself."""
-    def mapped(array):
-        return mapped_filled(array.shape, array.dtype, array)
-    scales = packed.scales if packed.scales is not None else np.zeros(1, np.float16)
-    return weights.DeviceWeight(packed.ggml_type, packed.shape, mapped(packed.data), mapped(scales))
-
-
 def mixed_slots(rng, n_expert):
     """slot_of with half the experts in VRAM slots at shuffled indices (one spare slot, poisoned, too), the
     other half only in the host copy (-1)."""
@@ -294,7 +284,9 @@ class Experts:
         in_slot[self.slot_of[cached]] = np.flatnonzero(cached)
         in_host = np.where(cached, -1, np.arange(self.n_expert))
         self.slots = [weights.upload(select_experts(p, in_slot)) for p in self.packed]
-        self.host = [mapped_upload(select_experts(p, in_host)) for p in self.packed]
+        # the simulator's mapped memory is a plain simulated array: there this checks the two-source logic,
+        # on a GPU the kernels read host memory itself
+        self.host = [weights.mapped_upload(select_experts(p, in_host)) for p in self.packed]
         return self
 
     def reference(self, experts):

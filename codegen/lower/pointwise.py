@@ -273,7 +273,7 @@ def make_rope(n_heads: int, head_dim: int, n_rot: int, base: float, eps: float |
 
     A block per (row, head): each thread loads its values (and weights) before it uses them, sums its squares
     in index order, then the block's fixed tree adds the threads'; the normed head goes through shared memory,
-    since a rotated value needs its pair's."""
+    since a rotated value needs its pair's, and pair i's thread writes both of its values."""
     if n_rot % 2 or not 0 < n_rot <= head_dim:
         raise ValueError(f"n_rot {n_rot} must be even and within the head ({head_dim})")
     half = n_rot // 2
@@ -301,15 +301,12 @@ def make_rope(n_heads: int, head_dim: int, n_rot: int, base: float, eps: float |
         position = np.float64(positions[row])
         for u in range(steps):
             j = tid + u * threads
-            if (whole or j < head_dim) and j < n_rot:
-                i = j % half
-                theta = position * cuda.const.array_like(inv_freq)[i]
+            if j < half:        # pair j's thread: its angle once, both rotated values
+                theta = position * cuda.const.array_like(inv_freq)[j]
                 cos, sin = np.float32(math.cos(theta)), np.float32(math.sin(theta))
-                if j < half:
-                    x[row, first + j] = head[i] * cos - head[i + half] * sin
-                else:
-                    x[row, first + j] = head[i] * sin + head[j] * cos
-            elif (whole or j < head_dim) and normed:
+                x[row, first + j] = head[j] * cos - head[j + half] * sin
+                x[row, first + j + half] = head[j] * sin + head[j + half] * cos
+            elif j >= n_rot and (whole or j < head_dim) and normed:
                 x[row, first + j] = values[u]
 
     return _per_row(kernel, threads, n_heads)

@@ -151,3 +151,12 @@ def upload(packed: PackedWeight, stream=0) -> DeviceWeight:
     scales = packed.scales if packed.scales is not None else np.zeros(1, np.float16)
     return DeviceWeight(packed.ggml_type, packed.shape, cuda.to_device(packed.data, stream=stream),
                         cuda.to_device(scales, stream=stream))
+
+
+def mapped_upload(packed: PackedWeight) -> DeviceWeight:
+    """A packed weight in mapped pinned host memory (zero-copy: kernels read it over the bus, as they read the
+    runtime's host copy of the experts)."""
+    from codegen.lower.cuda import mapped_filled
+    scales = packed.scales if packed.scales is not None else np.zeros(1, np.float16)
+    return DeviceWeight(packed.ggml_type, packed.shape, mapped_filled(packed.data.shape, packed.data.dtype, packed.data),
+                        mapped_filled(scales.shape, scales.dtype, scales))
