@@ -13,7 +13,8 @@
   leave SMs idle), plus the profile's `prefill_ring_batch`: what a batch adds beyond its tiles (BENCHMARKS.md,
   the ring's timeline). A chunk takes max(compute, streaming, issuing): they run on separate engines and the
   host, which launches each kernel from Python (`kernel_launch` in the profile), so a shallow ring's many
-  small batches cost launches;
+  small batches cost launches; each chunk adds the profile's `prefill_host`: what the host takes that the
+  GPU's work does not hide (inputs staged, logits and routing read back, the pass's first launches);
 - K/V ring: the last `resident` positions are in VRAM; attention over older ones streams them over the link;
 - MTP: a round drafts n tokens and verifies 1 + n in one window, yielding 1 + a + a^2 + ... + a^n tokens;
 - the host: a decode window or draft step is one graph replay, its copies in and out captured with it: one
@@ -249,14 +250,14 @@ class DeviceCost:
                      * cost.host_kv_reads * scale / g.zero_copy_read_bytes_per_s)
         compute = cost.dense_s(context, resident, tokens) + cost.n_nodes * g.graph_node_overhead_s + host_kv_s
         if not self.moe_blocks:
-            return compute
+            return compute + g.kernels.prefill_host.latency_s
         ring = streaming
         compute = (compute + ring.expert_compute_s + ring.touched_read_s
                    + ring.streaming_blocks * (ring.fill_s + ring.issue_s))
         stream = (ring.streamed_bytes / g.host_to_device_bytes_per_s + ring.copies * g.copy_latency_s + host_kv_s
                   + ring.streamed_count * ring.stall_per_expert_s
                   + ring.streaming_blocks * (cost.block_s(context, resident, tokens) + ring.issue_s + ring.drain_s))
-        return np.maximum(np.maximum(compute, stream), ring.launch_s)
+        return np.maximum(np.maximum(compute, stream), ring.launch_s) + g.kernels.prefill_host.latency_s
 
     def chunk_streaming(self, tokens: int, cache_slots, ring_slots) -> ChunkStreaming | None:
         """What a chunk of `tokens` positions costs in experts, whatever its context (`ChunkStreaming`).

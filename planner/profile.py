@@ -58,7 +58,9 @@ class Kernels:
     `*_grouping` is the routed pairs' grouping by expert (one thread block: it follows no roofline), `*_small`
     every other kernel (norms, RoPE, adds, top-k, K/V store, embedding, argmax); `prefill_ring_batch` (a
     latency only) what a batch of the prefill ring adds to its block's routed experts beyond their one launch
-    and beyond its tiles' cost. `decode_l2_*` price the decode families for a model whose weights fit in the
+    and beyond its tiles' cost; `prefill_host` (a latency only) what a prefill chunk costs the host that the
+    GPU's work does not hide (its inputs staged, its logits and routing read back, the GPU waiting on the
+    first launches), added to each chunk. `decode_l2_*` price the decode families for a model whose weights fit in the
     GPU's L2 cache (`codegen.cost.decode_in_l2`): its steps re-read them from L2, not device memory, and each
     of its kernels' dependent loads waits for L2 (BENCHMARKS.md: a 4-block 512-wide model's decode nodes take
     about half the time of the 2048-wide calibration model's); a profile that leaves one out gives it its
@@ -79,6 +81,7 @@ class Kernels:
     prefill_grouping: KernelFit = KernelFit()
     prefill_small: KernelFit = KernelFit()
     prefill_ring_batch: KernelFit = KernelFit()
+    prefill_host: KernelFit = KernelFit()
 
 
 KERNEL_FAMILIES = tuple(f.name for f in fields(Kernels))

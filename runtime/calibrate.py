@@ -6,8 +6,7 @@ K/V in VRAM. After each, every node of that pass is timed between events; so is 
 after 16384 positions (decode attention's time grows with the context: one context alone cannot tell its
 latency from its efficiency). Nodes are timed while a spinning kernel holds the GPU, so they run back to back
 as in a replayed graph; the events' own cost (the summed node times less the step replayed without events, per
-node) is taken off each decode node, and a prompt's wall time beyond its nodes' (prefill waits for the host
-once a MoE block) is added to its routed-expert nodes. Each node's roofline is the cost model's
+node) is taken off each decode node. Each node's roofline is the cost model's
 (`codegen.cost.node_roofline_s` at the measured bandwidth and FP32 peak), and a family's fit is the latency and
 efficiency that give its nodes' times best (least squares on absolute error, `fit`): time = latency +
 roofline / efficiency. The tiled families (prefill's matmuls and routed experts) are fitted on their tiles
@@ -15,7 +14,11 @@ instead (`fit_tiled`, the model of `codegen.cost.tiled_s`): the calibration's 64
 matrices 512 to 4096 wide and its nodes of one to 39 waves tell a tile's FLOPs from its weights' dequantization
 and a first tile from a further one. `prefill_ring_batch` is measured directly (`time_ring_batches`,
 `ring_batch_s`): what a block's routed experts cost, launched in the prefill ring's batches, beyond their one
-launch and beyond what the batches' smaller grids cost by the tile model.
+launch and beyond what the batches' smaller grids cost by the tile model. `prefill_host` is measured directly
+too (`prefill_host_s`): a one-chunk prompt's wall time beyond its nodes' GPU time (or beyond its launches' host
+time, where those take longer: the planner prices a chunk at the larger of the two), on both calibration models:
+what a chunk costs the host that the GPU's work does not hide (its inputs staged, its logits and routing read
+back, the GPU waiting on launches at the pass's start and between short nodes).
 
 The `decode_l2_*` families (a model whose weights fit in L2, `codegen.cost.decode_in_l2`) come from a second,
 small model of the same architecture (SMALL_SHAPE: 512 wide, 32 experts of width 128, 4 blocks; about 30 MB)
@@ -51,6 +54,7 @@ CHUNK_TOKENS = 2048
 SHORT_CHUNK_TOKENS = 512     # prefill nodes timed at two sizes: a fit needs two to tell latency from efficiency
 LONG_CONTEXT_TOKENS = 16384  # decode steps timed at two contexts, 2048 and this, for the same reason
 REPEATS = 15
+HOST_REQUESTS = 5           # one-chunk prompts whose median wall time `prefill_host_s` takes
 RING_BATCH_EXPERTS = 4      # experts a batch of `ring_batch_s` (half of an 8-slot ring, the bundled cards' depth)
 FURTHER_TILE_GRID = np.linspace(0.5, 1.0, 51)   # the further-tile fractions `fit_tiled` tries
 SMALL_SHAPE = {"embedding_length": 512, "expert_feed_forward_length": 128, "expert_count": 32,
@@ -189,7 +193,7 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
     `gpu` the same figures, against which rooflines are taken."""
     from runtime.engine import Engine       # the engine imports the planner and every kernel: only when run
 
-    samples = []
+    samples, host_gaps = [], []
     with tempfile.TemporaryDirectory() as folder:
         card = reduced_card(CALIBRATION_BLOCKS, Path(folder))
         workload = Workload(prompts=((CHUNK_TOKENS, 1.0),), decode_tokens=8)
@@ -205,20 +209,20 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
             vocab = engine.hp.n_vocab
             # each pass is timed right after requests that ran it: passes share the arena, so another pass's
             # activations would overwrite its inputs (token ids)
-            for kind, tokens, new in (("prefill", CHUNK_TOKENS, 1), ("prefill", SHORT_CHUNK_TOKENS, 1),
-                                      ("decode", CHUNK_TOKENS, 2), ("decode", LONG_CONTEXT_TOKENS, 2)):
-                for _ in range(2):      # the second request's wall time: the pass is lowered by then
-                    out = engine.generate(rng.integers(0, vocab, size=tokens).tolist(), new)
-                timed = timed_nodes(engine, gpu, kind, 1 if kind == "decode" else tokens, tokens)
-                if kind == "prefill" and tokens == CHUNK_TOKENS:
+            for tokens in (CHUNK_TOKENS, SHORT_CHUNK_TOKENS):
+                timed, gap_s = prefill_host_s(engine, gpu, tokens, rng, note)
+                if tokens == CHUNK_TOKENS:
                     ring_batches = time_ring_batches(engine, tokens)
-                if kind == "prefill":
-                    note(f"  prefill of {tokens} tokens: {out.prefill_s * 1e3:.1f} ms, its nodes' GPU time "
-                         f"{sum(sample.measured_s for sample in timed) * 1e3:.1f} ms")
-                    timed = _with_host_waits(timed, out.prefill_s)
                 samples.extend(timed)
+                host_gaps.append(gap_s)
+            for tokens in (CHUNK_TOKENS, LONG_CONTEXT_TOKENS):
+                for _ in range(2):      # the pass is lowered by the second
+                    engine.generate(rng.integers(0, vocab, size=tokens).tolist(), 2)
+                samples.extend(timed_nodes(engine, gpu, "decode", 1, tokens))
         (Path(folder) / "small").mkdir()
-        samples.extend(l2_samples(profile_path, gpu, Path(folder) / "small", note))
+        small_samples, small_gaps = l2_samples(profile_path, gpu, Path(folder) / "small", note)
+        samples.extend(small_samples)
+        host_gaps.extend(small_gaps)
     fits = fit_families(samples)
     for family, fallback in L2_FAMILIES.items():
         fits.setdefault(family, fits[fallback])
@@ -234,7 +238,28 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
     note(f"  a prefill ring batch of {RING_BATCH_EXPERTS} experts: {batch_s * 1e6:.3g} us beyond its tiles "
          f"(measured {ring_batches.beyond_one_launch_s * 1e6:.0f} us beyond its block's one launch)")
     fits["prefill_ring_batch"] = KernelFit(efficiency=1.0, latency_s=batch_s)
+    fits["prefill_host"] = KernelFit(efficiency=1.0, latency_s=float(np.mean(host_gaps)))
+    note(f"  a prefill chunk's host time beyond its GPU work: {fits['prefill_host'].latency_s * 1e3:.3g} ms "
+         f"(the mean of {', '.join(f'{gap * 1e3:.3g}' for gap in host_gaps)} ms)")
     return Kernels(**fits), samples
+
+
+def prefill_host_s(engine, gpu: GPU, tokens: int, rng, note=print) -> tuple[list, float]:
+    """(the `timed_nodes` of a `tokens`-row prefill pass, the host's part of a chunk): the median wall time
+    of HOST_REQUESTS prompts of `tokens` tokens (one chunk each, after two that lowered the pass) beyond the
+    larger of its nodes' GPU time and its launches' host time (each node one `kernel_launch`)."""
+    walls = []
+    for _ in range(2 + HOST_REQUESTS):
+        out = engine.generate(rng.integers(0, engine.hp.n_vocab, size=tokens).tolist(), 1)
+        walls.append(out.prefill_s)
+    # timed right after the requests that ran the pass: passes share the arena, so another pass's activations
+    # would overwrite its inputs (token ids)
+    timed = timed_nodes(engine, gpu, "prefill", tokens, tokens)
+    wall_s, nodes_s = float(np.median(walls[2:])), sum(sample.measured_s for sample in timed)
+    launches_s = len(timed) * gpu.kernel_launch_s
+    note(f"  prefill of {tokens} tokens: {wall_s * 1e3:.2f} ms wall (median of {HOST_REQUESTS}), its nodes' GPU "
+         f"time {nodes_s * 1e3:.2f} ms, their launches' host time {launches_s * 1e3:.2f} ms")
+    return timed, max(0.0, wall_s - max(nodes_s, launches_s))
 
 
 class RingBatches(NamedTuple):
@@ -295,9 +320,10 @@ def time_ring_batches(engine, tokens: int) -> RingBatches:
     return RingBatches(once_s, batched_s, [int(tiles) for *_range, tiles in batched], tilings)
 
 
-def l2_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) -> list:
-    """The `decode_l2_*` families' samples: decode steps of the SMALL_SHAPE model, whose weights fit in this
-    GPU's L2, after each of SMALL_CONTEXTS positions (none, with a note, on a GPU whose L2 cannot hold it)."""
+def l2_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) -> tuple[list, list]:
+    """(the `decode_l2_*` families' samples, `prefill_host_s` gaps) of the SMALL_SHAPE model: its decode steps,
+    whose weights fit in this GPU's L2, after each of SMALL_CONTEXTS positions (none, with a note, on a GPU
+    whose L2 cannot hold it), and the host's part of its one-chunk prompts of SMALL_CONTEXTS tokens."""
     from runtime.engine import Engine
 
     card = reduced_card(CALIBRATION_BLOCKS, folder, metadata=SMALL_SHAPE)
@@ -305,31 +331,22 @@ def l2_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) -> list:
     if not decode_in_l2(model, range(model.hparams.n_trunk), gpu):
         note(f"  the small model's {model.total_bytes / 2**20:.0f} MiB do not fit in this GPU's "
              f"{gpu.l2_bytes / 2**20:.0f} MiB of L2: the decode_l2_* families take the decode_* fits")
-        return []
+        return [], []
     context = max(SMALL_CONTEXTS) + PAGE_TOKENS
     plan = solve(profile_path, card, context=context, kv="f16",
                  workload=Workload(prompts=((max(SMALL_CONTEXTS), 1.0),), decode_tokens=8),
-                 pins={"kv_pages": int(needed_pages(context, PAGE_TOKENS))})
+                 pins={"kv_pages": int(needed_pages(context, PAGE_TOKENS)), "chunk_tokens": max(SMALL_CONTEXTS)})
     note(f"small model (decode from L2): {model.total_bytes / 2**20:.0f} MiB, decode after "
          f"{' and '.join(map(str, SMALL_CONTEXTS))} positions")
     rng = np.random.default_rng(0)
-    samples = []
+    samples, gaps = [], []
     with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine:
         for tokens in SMALL_CONTEXTS:
+            gaps.append(prefill_host_s(engine, gpu, tokens, rng, note)[1])
             for _ in range(2):
                 engine.generate(rng.integers(0, engine.hp.n_vocab, size=tokens).tolist(), 2)
             samples.extend(timed_nodes(engine, gpu, "decode", 1, tokens, in_l2=True))
-    return samples
-
-
-def _with_host_waits(timed: list, wall_s: float) -> list:
-    """A prompt's wall time beyond its nodes' GPU time, spread over its routed-expert nodes: prefill waits for
-    the host once a MoE block (the routing read back, the ring's batches worked out and launched), and those
-    nodes are where it waits."""
-    experts = [i for i, sample in enumerate(timed) if sample.family == "prefill_experts"]
-    wait_s = max(0.0, wall_s - sum(sample.measured_s for sample in timed)) / max(1, len(experts))
-    return [sample._replace(measured_s=sample.measured_s + wait_s) if i in experts else sample
-            for i, sample in enumerate(timed)]
+    return samples, gaps
 
 
 def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int, in_l2: bool = False) -> list:

@@ -127,6 +127,9 @@ class Engine:
         # of the hidden states the drafter reads (a verify window's rows; the one the next draft step takes)
         self.routed_ids = cuda.pinned_array((len(self.moe_blocks), self.chunk_tokens, self.hp.n_expert_used),
                                             np.int32)
+        # a MoE block's routed ids copied: the host counts them while the GPU goes on with the chunk's later blocks
+        self.routed_copied = [cuda.event() for _ in self.moe_blocks]
+        self.last_logits = cuda.pinned_array((1, self.hp.n_vocab), np.float32)     # a prompt's last position's
         self.greedy = cuda.pinned_array(MAX_WINDOW, np.int32)
         self.hiddens = cuda.pinned_array((MAX_WINDOW, self.hp.n_embd), np.float32)
         self.hidden = cuda.pinned_array((1, self.hp.n_embd), np.float32)
@@ -333,7 +336,9 @@ class Engine:
             if end == start + len(token_ids):       # read before the drafter's own pass: it uses the same arena
                 if self.drafter is not None:
                     copy_rows(self.hidden, 0, program.tensors["hidden_out"], len(piece) - 1, 1, self.compute)
-                logits = program.tensors["logits"].copy_to_host(stream=self.compute)
+                # into pinned memory: a copy to a new pageable array costs the host its allocation, and waits
+                logits = program.tensors["logits"]
+                copy_rows(self.last_logits, 0, logits, logits.shape[0] - 1, 1, self.compute)
             if self.drafter is not None and not batched:
                 last_known = start + len(token_ids) - 1     # the last position's row waits for its next token
                 rows = range(max(first, reach_from), min(end, last_known))
@@ -342,7 +347,7 @@ class Engine:
                               self.compute)
                     self._drafter_rows(token_ids, start, rows)
         self.compute.synchronize()
-        return logits[-1]
+        return self.last_logits[0].copy()
 
     def _drafter_rows(self, token_ids, start: int, positions) -> None:
         """The drafter's own pass over a prompt chunk's rows (the A/B switch to the batched one): a draft step at
@@ -369,8 +374,10 @@ class Engine:
     def _run_prefill(self, program) -> None:
         """A chunk's pass. A MoE block that streams experts waits for its routing (the host reads it back to
         work out the ring's batches); a block whose every expert is cached runs without waiting, its routing
-        read back with the chunk for the traces' counts (the host's time per wait is the GPU's idle time)."""
-        unread = []         # blocks whose routed ids are read once the chunk is done
+        read back for the traces' counts, which the host takes once the whole chunk is launched, each block's as
+        soon as its copy is done, while the GPU runs the later blocks (the host's time per wait is the GPU's
+        idle time)."""
+        unread = []         # (block, its routed ids, the event of their copy) of the cached blocks
         for step in program.steps:
             op = program.graph.nodes[step.name]["op"]
             if op == "moe_down_matmul":
@@ -388,15 +395,18 @@ class Engine:
                 step.launch(self.compute, *step.args, lo=lo, hi=hi, tiles=tiles)
                 down.launch(self.compute, *down.args, lo=lo, hi=hi, tiles=tiles)
             if self.experts.all_cached(block):
+                copied = self.routed_copied[self.moe_blocks.index(block)]
+                copied.record(self.compute)
                 self.experts.run_cached_block(block, self.compute, run_batch)
-                unread.append((block, ids))
+                unread.append((block, ids, copied))
                 continue
             self.compute.synchronize()
             self.experts.stream_block(block, ids, self.compute, run_batch)
+        for block, ids, copied in unread:
+            copied.synchronize()
+            self.experts.count_routed(block, ids)
         if unread:
-            self.compute.synchronize()          # (also: the next chunk's inputs reuse the staging)
-            for block, ids in unread:
-                self.experts.count_routed(block, ids)
+            self.compute.synchronize()          # the next chunk's inputs reuse the staging
 
     def _replay(self, key, enqueue) -> None:
         """Run a pass as its captured graph: the first time it runs as launched (compiling any kernel not yet

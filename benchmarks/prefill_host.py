@@ -1,0 +1,134 @@
+"""Where a resident prompt's wall time goes beyond its nodes' GPU time (issue 6): the host's part of prefill.
+
+    NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/prefill_host.py --profile detected.yaml [--host-profile N]
+
+For the calibration model (`runtime.calibrate`: the Qwen3-30B-A3B shape with 4 blocks, every expert and the
+whole context's K/V in VRAM) at 2048 and 512 tokens and the demo model (`plans/demo`, resident) at 256, 512
+and 768, one prompt of one chunk is read after two that warmed it, and split into:
+
+  wall ms        the request's `prefill_s` (what validate measures and the planner predicts);
+  nodes ms       its pass's nodes timed back to back between events (`runtime.calibrate.timed_nodes`);
+  pass span ms   GPU time from an event before the pass's first launch to one after its last: the nodes plus
+                 the GPU's idle time while it waits for the host's launches within the pass;
+  host ms        the request's host time in each engine phase (perf_counter around each call), and "other":
+                 the wall time outside them.
+
+`--host-profile N` prints the top N functions by own time of one more request (cProfile).
+"""
+
+import argparse
+import cProfile
+import functools
+import pstats
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.e2e import print_table
+from codegen.lower.cuda import cuda
+from planner.kv_lending import needed_pages
+from planner.profile import load_profile
+from planner.search import PAGE_TOKENS, solve
+from planner.workload import Workload
+from runtime.calibrate import CALIBRATION_BLOCKS, LONG_CONTEXT_TOKENS, timed_nodes
+from runtime.engine import Engine
+from runtime.synthetic import realistic_weights, reduced_card
+from tools.demo import DEMO_PATH
+
+ENGINE_PHASES = ("_lend_kv_pages", "_inputs", "_run_prefill")
+STORE_PHASES = ("settle", "refresh", "count_routed", "run_cached_block")
+
+
+class HostClock:
+    """perf_counter totals of named engine and expert-store calls while `on`, and events around each pass."""
+
+    def __init__(self, engine):
+        self.engine, self.on, self.totals, self.passes = engine, False, {}, []
+        for owner, names in ((engine, ENGINE_PHASES), (engine.experts, STORE_PHASES),
+                             (engine.kv_ring, ("claim",)), (engine.compute, ("synchronize",))):
+            for name in names:
+                setattr(owner, name, self._timed(name, getattr(owner, name)))
+
+    def _timed(self, name, call):
+        @functools.wraps(call)
+        def wrapper(*args, **kwargs):
+            if not self.on:
+                return call(*args, **kwargs)
+            if name == "_run_prefill":
+                before, after = cuda.event(), cuda.event()
+                before.record(self.engine.compute)
+            started = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.totals[name] += time.perf_counter() - started
+                if name == "_run_prefill":
+                    after.record(self.engine.compute)
+                    self.passes.append((before, after))
+        return wrapper
+
+    def request(self, prompt) -> dict:
+        """One request's wall, pass span and host phases, in ms."""
+        self.on, self.passes = True, []
+        self.totals = {name: 0.0 for name in ENGINE_PHASES + STORE_PHASES + ("claim", "synchronize")}
+        wall_s = self.engine.generate(prompt, 1).prefill_s
+        self.on = False
+        span_ms = sum(cuda.event_elapsed_time(a, b) for a, b in self.passes)
+        row = {"wall ms": wall_s * 1e3, "pass span ms": span_ms}
+        row.update({f"{name} ms": s * 1e3 for name, s in sorted(self.totals.items())})
+        # the phases that run inside others (the syncs, and the cached blocks' calls within the pass) left out
+        row["other ms"] = (wall_s - sum(s for name, s in self.totals.items()
+                                        if name not in ("synchronize", "count_routed", "run_cached_block"))) * 1e3
+        return row
+
+
+def measure(engine, gpu, tokens: list, host_profile: int) -> list:
+    """A row a prompt length: warm it twice, then read one more with the host's clocks on."""
+    rng = np.random.default_rng(0)
+    clock = HostClock(engine)
+    rows = []
+    for n in tokens:
+        for _ in range(2):
+            engine.generate(rng.integers(0, engine.hp.n_vocab, size=n).tolist(), 1)
+        row = {"tokens": n, **clock.request(rng.integers(0, engine.hp.n_vocab, size=n).tolist())}
+        nodes = timed_nodes(engine, gpu, "prefill", n, n)
+        row["nodes ms"] = sum(sample.measured_s for sample in nodes) * 1e3
+        row["beyond nodes ms"] = row["wall ms"] - row["nodes ms"]
+        rows.append(row)
+        if host_profile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            engine.generate(rng.integers(0, engine.hp.n_vocab, size=n).tolist(), 1)
+            profiler.disable()
+            print(f"\nhost profile, {n} tokens:")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(host_profile)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", required=True, help="this machine's profile (stratum profile --detect)")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N")
+    args = parser.parse_args()
+    profile = Path(args.profile)
+    gpu = load_profile(profile).gpus[0]
+    with tempfile.TemporaryDirectory() as folder:
+        card = reduced_card(CALIBRATION_BLOCKS, Path(folder))
+        context = LONG_CONTEXT_TOKENS + 2048
+        plan = solve(profile, card, context=context, kv="f16", workload=Workload(prompts=((2048, 1.0),)),
+                     pins={"chunk_tokens": 2048, "kv_pages": int(needed_pages(context, PAGE_TOKENS))})
+        with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine:
+            print(f"calibration model ({card.stem}, {len(engine.moe_blocks)} MoE blocks):")
+            print_table(measure(engine, gpu, [2048, 512], args.host_profile))
+    plan = solve(profile, DEMO_PATH, context=1024, kv="f16", workload=Workload(prompts=((768, 1.0),)),
+                 pins={"chunk_tokens": 1024}, mtp=False)
+    with Engine(plan, DEMO_PATH, progress=False) as engine:
+        print(f"\ndemo model ({len(engine.moe_blocks)} MoE blocks, "
+              f"{engine.experts.n_cache} of {engine.experts.n_expert * len(engine.moe_blocks)} experts cached):")
+        print_table(measure(engine, gpu, [256, 512, 768], args.host_profile))
+
+
+if __name__ == "__main__":
+    main()
