@@ -29,7 +29,7 @@ import numpy as np
 import yaml
 
 from benchmarks.e2e import CONTEXT, built_weights, measure_links, print_table, random_prompts, run_plan
-from codegen.cost import decode_in_l2
+from codegen.cost import weights_in_l2
 from codegen.lower.cuda import cuda
 from planner.model import load_model
 from planner.profile import load_profile
@@ -112,7 +112,7 @@ def compare_passes(engine, profile: Path, prompt, lengths) -> tuple[str, list]:
     tokens): the summary repeats the text, `--json` keeps the nodes, so a model's fits can be redone offline
     on this model's kernels too."""
     gpu = load_profile(profile).gpus[0]
-    in_l2 = decode_in_l2(engine.model, range(engine.hp.n_trunk), gpu)     # as the planner prices its decode
+    in_l2 = weights_in_l2(engine.model, range(engine.hp.n_trunk), gpu)     # as the planner prices its passes
     lines, nodes = [], []
     for tokens in sorted(n for n in lengths if n <= engine.chunk_tokens):
         for kind in ("prefill", "decode"):
@@ -121,7 +121,7 @@ def compare_passes(engine, profile: Path, prompt, lengths) -> tuple[str, list]:
             for _ in range(2):
                 out = engine.generate(prompt(tokens), 2)
             timed = timed_nodes(engine, gpu, kind, tokens if kind == "prefill" else 1, tokens,
-                                in_l2=in_l2 and kind == "decode")
+                                in_l2=in_l2)
             nodes += [{"pass": kind, "tokens": tokens, **sample._asdict()} for sample in timed]
             what = (f"prefill of {tokens} tokens (one chunk), resident: {out.prefill_s * 1e3:.1f} ms wall"
                     if kind == "prefill" else f"a decode step after {tokens} tokens")

@@ -38,21 +38,20 @@ ATTENTION_OPS = ("attention", "attention_combine")
 
 def kernel_family(node: dict, decode: bool, in_l2: bool = False) -> str:
     """The `planner.profile.Kernels` field that prices a node: its kind's, in the decode or the prefill family
-    (the pass's, or the node's own `family`); a decode pass's `decode_l2_*` when its model's weights stay in
-    L2 (`in_l2`, `decode_in_l2`)."""
+    (the pass's, or the node's own `family`), the `*_l2_*` one when its model's weights stay in L2 (`in_l2`,
+    `weights_in_l2`)."""
     kind = ("experts" if "expert_layer" in node else "matmul" if node["op"] in MATMUL_OPS
             else "attention" if node["op"] in ATTENTION_OPS else "grouping" if node["op"] == "moe_groups"
             else "small")
-    if decode:
-        return f"decode_l2_{kind}" if in_l2 else f"decode_{kind}"
-    return f"{'decode' if node.get('family') == 'decode' else 'prefill'}_{kind}"
+    family = "decode" if decode or node.get("family") == "decode" else "prefill"
+    return f"{family}_l2_{kind}" if in_l2 else f"{family}_{kind}"
 
 
 def kernel_fit(gpu: GPU, node: dict, decode: bool, in_l2: bool = False) -> KernelFit:
     return getattr(gpu.kernels, kernel_family(node, decode, in_l2))
 
 
-def decode_in_l2(model, blocks, gpu: GPU) -> bool:
+def weights_in_l2(model, blocks, gpu: GPU) -> bool:
     """Whether every weight a device's decode steps read (its trunk `blocks`' dense and routed experts, the
     embedding, head and drafter) fits in its L2 cache at once: a step then reads them from L2, where the
     previous step left them (the 25 MB demo model on the H200's 60 MiB). The K/V is left out: at such a model's
@@ -180,7 +179,7 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
     """Cost of `graph` run over trunk `blocks` (plus the drafter's block where the graph has it).
 
     with_globals: (runs the embedding, runs the output head), for a device holding part of the blocks.
-    in_l2: a decode pass's weights stay in L2 (`decode_in_l2`): priced by the `decode_l2_*` families.
+    in_l2: the pass's weights stay in L2 (`weights_in_l2`): priced by the `*_l2_*` families.
     """
     hp = model.hparams
     represented = {}            # representative block -> the blocks it stands for
@@ -188,8 +187,7 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
         represented.setdefault(representative_of(hp, block), []).append(block)
     cost = PassCost(gpu=gpu, tokens=graph.graph["tokens"])
     decode = graph.graph["kind"] != "prefill"
-    cost.expert_efficiency = (gpu.kernels.decode_l2_experts if decode and in_l2 else gpu.kernels.decode_experts
-                              if decode else gpu.kernels.prefill_experts).efficiency
+    cost.expert_efficiency = kernel_fit(gpu, {"op": "moe_down_matmul", "expert_layer": 0}, decode, in_l2).efficiency
     for name, node in graph.nodes(data=True):
         if node["op"] == "input":
             continue

@@ -12,8 +12,8 @@
   after every copy. Each batch's expert kernels take their share of the block's tiles (a small batch's grids
   leave SMs idle), plus the profile's `prefill_ring_batch`: what a batch adds beyond its tiles (BENCHMARKS.md,
   the ring's timeline). A chunk takes max(compute, streaming, issuing): they run on separate engines and the
-  host, which launches each kernel from Python (`kernel_launch` in the profile), so a shallow ring's many
-  small batches cost launches; each chunk adds the profile's `prefill_host`: what the host takes that the
+  host, which launches each kernel from Python (a node at the profile's `prefill_launch`, a batch's kernels,
+  copies and events at `kernel_launch`), so a shallow ring's many small batches cost launches; each chunk adds the profile's `prefill_host`: what the host takes that the
   GPU's work does not hide (inputs staged, logits and routing read back, the pass's first launches);
 - K/V ring: the last `resident` positions are in VRAM; attention over older ones streams them over the link;
 - MTP: a round drafts n tokens and verifies 1 + n in one window, yielding 1 + a + a^2 + ... + a^n tokens;
@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from codegen.cost import decode_in_l2, expected_tile_rows_per_pair, pass_cost
+from codegen.cost import weights_in_l2, expected_tile_rows_per_pair, pass_cost
 from codegen.graph import build_pass, representative_layers
 from planner.kv import KVType
 from planner.profile import GPU
@@ -47,6 +47,9 @@ CHUNK_SAMPLES = 8       # chunks priced per prompt; a longer prompt's chunks are
 
 
 COPIES_PER_RUN = 6       # a run of consecutive streamed experts: data and scales of gate, up and down
+# host calls a MoE block whose every expert is cached adds to its two kernels (runtime.engine._run_prefill):
+# its routing's copy back and that copy's event, its expert table's copy in
+CACHED_BLOCK_CALLS = 3
 
 
 class ChunkStreaming(NamedTuple):
@@ -132,12 +135,12 @@ class DeviceCost:
             self._memo[key] = pass_cost(self.graph(kind, tokens), self.gpu, self.model,
                                         () if draft else self.share.blocks,
                                         (False, True) if draft else (self.share.first, self.share.last),
-                                        in_l2=kind != "prefill" and self.decode_in_l2)
+                                        in_l2=self.weights_in_l2)
         return self._memo[key]
 
     @cached_property
-    def decode_in_l2(self) -> bool:
-        return decode_in_l2(self.model, self.share.blocks, self.gpu)
+    def weights_in_l2(self) -> bool:
+        return weights_in_l2(self.model, self.share.blocks, self.gpu)
 
     # --- expert tables ---------------------------------------------------------------------------------
     def _table(self, per_expert: np.ndarray, in_bytes: bool = True) -> SlotTable:
@@ -298,7 +301,9 @@ class DeviceCost:
             expert_compute, touched_bytes / g.memory_bandwidth_bytes_per_s, streamed_bytes, streamed_count,
             streaming_blocks * batches * batch_copies, stall_per_expert, streaming_blocks, per_block * copy,
             per_block * per_expert_compute, batch_calls * g.kernel_launch_s,
-            (cost.n_nodes + (extra_batches + len(self.moe_blocks)) * batch_calls) * g.kernel_launch_s)
+            cost.n_nodes * (g.kernels.prefill_launch.latency_s or g.kernel_launch_s)
+            + (streaming_blocks * batches * batch_calls
+               + (len(self.moe_blocks) - streaming_blocks) * CACHED_BLOCK_CALLS) * g.kernel_launch_s)
 
     def _blocks_streaming(self, cache_slots):
         """How many MoE blocks still stream at least one expert."""

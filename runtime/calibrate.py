@@ -18,16 +18,21 @@ launch and beyond what the batches' smaller grids cost by the tile model. `prefi
 too (`prefill_host_s`): a one-chunk prompt's wall time beyond its nodes' GPU time (or beyond its launches' host
 time, where those take longer: the planner prices a chunk at the larger of the two), on both calibration models:
 what a chunk costs the host that the GPU's work does not hide (its inputs staged, its logits and routing read
-back, the GPU waiting on launches at the pass's start and between short nodes).
+back, the GPU waiting on launches at the pass's start and between short nodes); `prefill_launch` is the host's
+time to launch one of those passes' nodes (`issue_s`, behind a spinning kernel), which `kernel_launch` (a
+launch of a MoE kernel's 16 arrays) overstates for the rest.
 
-The `decode_l2_*` families (a model whose weights fit in L2, `codegen.cost.decode_in_l2`) come from a second,
+The `decode_l2_*` families (a model whose weights fit in L2, `codegen.cost.weights_in_l2`) come from a second,
 small model of the same architecture (SMALL_SHAPE: 512 wide, 32 experts of width 128, 4 blocks; about 30 MB)
 decoding after SMALL_CONTEXTS positions: its steps re-read their weights from L2, and its nodes take about half
-the 2048-wide model's time (BENCHMARKS.md). A GPU whose L2 cannot hold it gives them the `decode_*` fits.
+the 2048-wide model's time (BENCHMARKS.md). A GPU whose L2 cannot hold it gives them the `decode_*` fits. Its
+one-chunk prompts of SMALL_CONTEXTS tokens give the `prefill_l2_*` families the same way: the large model's
+fits price a small model's norms and attention at about twice their time (BENCHMARKS.md, validation run 18).
 """
 
 import itertools
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from codegen.cost import (decode_in_l2, fitted_s, kernel_family, measured_tile_rows_per_pair, node_roofline_s, node_tiles,
+from codegen.cost import (weights_in_l2, fitted_s, kernel_family, measured_tile_rows_per_pair, node_roofline_s, node_tiles,
                           tile_terms, tiled_sm_s)
 from codegen.graph import prefill_tiling
 from codegen.lower.cuda import CapturedGraph, cuda
@@ -163,16 +168,16 @@ def _bounded_lstsq(design, measured, lower, upper):
 
 def fit_families(samples: list) -> dict:
     """family -> its fit, for each family the samples time: the tiled ones by `fit_tiled` (the routed experts
-    with the matmuls' weight_element_s: the same prefill core, tiles of one shape), the rest by `fit`."""
+    with their pass's matmuls' weight_element_s: the same prefill core, tiles of one shape), the rest by `fit`."""
     grouped = defaultdict(list)
     for sample in samples:
         grouped[sample.family].append(sample)
     fits = {}
-    for family in sorted(grouped, key=lambda f: f != "prefill_matmul"):     # the matmuls first
+    for family in sorted(grouped, key=lambda f: not f.endswith("_matmul")):     # the matmuls first
         rows = grouped[family]
         if family in TILED_FAMILIES:
-            given = fits["prefill_matmul"].weight_element_s if family != "prefill_matmul" and \
-                "prefill_matmul" in fits else None
+            matmul = family.replace("_experts", "_matmul")
+            given = fits[matmul].weight_element_s if family != matmul and matmul in fits else None
             fits[family] = fit_tiled([r.tiles for r in rows], [r.measured_s for r in rows], given)
         else:
             fits[family] = fit([r.roofline_s for r in rows], [r.measured_s for r in rows])
@@ -193,7 +198,7 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
     `gpu` the same figures, against which rooflines are taken."""
     from runtime.engine import Engine       # the engine imports the planner and every kernel: only when run
 
-    samples, host_gaps = [], []
+    samples, host_gaps, launches = [], [], []
     with tempfile.TemporaryDirectory() as folder:
         card = reduced_card(CALIBRATION_BLOCKS, Path(folder))
         workload = Workload(prompts=((CHUNK_TOKENS, 1.0),), decode_tokens=8)
@@ -210,19 +215,22 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
             # each pass is timed right after requests that ran it: passes share the arena, so another pass's
             # activations would overwrite its inputs (token ids)
             for tokens in (CHUNK_TOKENS, SHORT_CHUNK_TOKENS):
-                timed, gap_s = prefill_host_s(engine, gpu, tokens, rng, note)
+                timed, gap_s, launch_s = prefill_host_s(engine, gpu, tokens, rng, note)
                 if tokens == CHUNK_TOKENS:
                     ring_batches = time_ring_batches(engine, tokens)
                 samples.extend(timed)
                 host_gaps.append(gap_s)
+                launches.append(launch_s)
             for tokens in (CHUNK_TOKENS, LONG_CONTEXT_TOKENS):
                 for _ in range(2):      # the pass is lowered by the second
                     engine.generate(rng.integers(0, vocab, size=tokens).tolist(), 2)
                 samples.extend(timed_nodes(engine, gpu, "decode", 1, tokens))
         (Path(folder) / "small").mkdir()
-        small_samples, small_gaps = l2_samples(profile_path, gpu, Path(folder) / "small", note)
+        small_samples, small_gaps, small_launches = small_model_samples(profile_path, gpu, Path(folder) / "small",
+                                                                        note)
         samples.extend(small_samples)
         host_gaps.extend(small_gaps)
+        launches.extend(small_launches)
     fits = fit_families(samples)
     for family, fallback in L2_FAMILIES.items():
         fits.setdefault(family, fits[fallback])
@@ -239,27 +247,47 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
          f"(measured {ring_batches.beyond_one_launch_s * 1e6:.0f} us beyond its block's one launch)")
     fits["prefill_ring_batch"] = KernelFit(efficiency=1.0, latency_s=batch_s)
     fits["prefill_host"] = KernelFit(efficiency=1.0, latency_s=float(np.mean(host_gaps)))
+    fits["prefill_launch"] = KernelFit(efficiency=1.0, latency_s=float(np.mean(launches)))
+    note(f"  a prefill node's launch: {fits['prefill_launch'].latency_s * 1e6:.3g} us of host time (the mean of "
+         f"{', '.join(f'{launch * 1e6:.3g}' for launch in launches)} us)")
     note(f"  a prefill chunk's host time beyond its GPU work: {fits['prefill_host'].latency_s * 1e3:.3g} ms "
          f"(the mean of {', '.join(f'{gap * 1e3:.3g}' for gap in host_gaps)} ms)")
     return Kernels(**fits), samples
 
 
-def prefill_host_s(engine, gpu: GPU, tokens: int, rng, note=print) -> tuple[list, float]:
-    """(the `timed_nodes` of a `tokens`-row prefill pass, the host's part of a chunk): the median wall time
-    of HOST_REQUESTS prompts of `tokens` tokens (one chunk each, after two that lowered the pass) beyond the
-    larger of its nodes' GPU time and its launches' host time (each node one `kernel_launch`)."""
+def prefill_host_s(engine, gpu: GPU, tokens: int, rng, note=print,
+                   in_l2: bool = False) -> tuple[list, float, float]:
+    """(the `timed_nodes` of a `tokens`-row prefill pass, the host's part of a chunk, the host's time to launch
+    a node of it): the median wall time of HOST_REQUESTS prompts of `tokens` tokens (one chunk each, after two
+    that lowered the pass) beyond the larger of its nodes' GPU time and its launches' host time (`issue_s`)."""
     walls = []
     for _ in range(2 + HOST_REQUESTS):
         out = engine.generate(rng.integers(0, engine.hp.n_vocab, size=tokens).tolist(), 1)
         walls.append(out.prefill_s)
     # timed right after the requests that ran the pass: passes share the arena, so another pass's activations
     # would overwrite its inputs (token ids)
-    timed = timed_nodes(engine, gpu, "prefill", tokens, tokens)
+    timed = timed_nodes(engine, gpu, "prefill", tokens, tokens, in_l2)
+    steps = engine._program("prefill", tokens).steps
+    launch_s = issue_s(steps, engine.compute) / len(steps)
     wall_s, nodes_s = float(np.median(walls[2:])), sum(sample.measured_s for sample in timed)
-    launches_s = len(timed) * gpu.kernel_launch_s
     note(f"  prefill of {tokens} tokens: {wall_s * 1e3:.2f} ms wall (median of {HOST_REQUESTS}), its nodes' GPU "
-         f"time {nodes_s * 1e3:.2f} ms, their launches' host time {launches_s * 1e3:.2f} ms")
-    return timed, max(0.0, wall_s - max(nodes_s, launches_s))
+         f"time {nodes_s * 1e3:.2f} ms, their launches' host time {len(steps) * launch_s * 1e3:.2f} ms "
+         f"({launch_s * 1e6:.3g} us a node)")
+    return timed, max(0.0, wall_s - max(nodes_s, len(steps) * launch_s)), launch_s
+
+
+def issue_s(steps, stream, repeats: int = 3) -> float:
+    """Host seconds to launch a pass's steps, queued behind a spinning kernel (the launches never wait for the
+    GPU): the best of `repeats`."""
+    best = np.inf
+    for _ in range(repeats):
+        _spin[1, 1, stream](200000)
+        started = time.perf_counter()
+        for step in steps:
+            step.run(stream)
+        best = min(best, time.perf_counter() - started)
+        stream.synchronize()
+    return float(best)
 
 
 class RingBatches(NamedTuple):
@@ -320,39 +348,42 @@ def time_ring_batches(engine, tokens: int) -> RingBatches:
     return RingBatches(once_s, batched_s, [int(tiles) for *_range, tiles in batched], tilings)
 
 
-def l2_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) -> tuple[list, list]:
-    """(the `decode_l2_*` families' samples, `prefill_host_s` gaps) of the SMALL_SHAPE model: its decode steps,
-    whose weights fit in this GPU's L2, after each of SMALL_CONTEXTS positions (none, with a note, on a GPU
-    whose L2 cannot hold it), and the host's part of its one-chunk prompts of SMALL_CONTEXTS tokens."""
+def small_model_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) -> tuple[list, list, list]:
+    """(samples, `prefill_host_s` gaps, its nodes' launch times) of the SMALL_SHAPE model, whose weights fit in this GPU's L2: the
+    `decode_l2_*` families' (its decode steps after each of SMALL_CONTEXTS positions), the `prefill_l2_*`
+    families' (its one-chunk prompts of SMALL_CONTEXTS tokens) and those prompts' host gaps; none, with a
+    note, on a GPU whose L2 cannot hold it."""
     from runtime.engine import Engine
 
     card = reduced_card(CALIBRATION_BLOCKS, folder, metadata=SMALL_SHAPE)
     model = load_model(card)
-    if not decode_in_l2(model, range(model.hparams.n_trunk), gpu):
+    if not weights_in_l2(model, range(model.hparams.n_trunk), gpu):
         note(f"  the small model's {model.total_bytes / 2**20:.0f} MiB do not fit in this GPU's "
-             f"{gpu.l2_bytes / 2**20:.0f} MiB of L2: the decode_l2_* families take the decode_* fits")
-        return [], []
+             f"{gpu.l2_bytes / 2**20:.0f} MiB of L2: the *_l2_* families take the others' fits")
+        return [], [], []
     context = max(SMALL_CONTEXTS) + PAGE_TOKENS
     plan = solve(profile_path, card, context=context, kv="f16",
                  workload=Workload(prompts=((max(SMALL_CONTEXTS), 1.0),), decode_tokens=8),
                  pins={"kv_pages": int(needed_pages(context, PAGE_TOKENS)), "chunk_tokens": max(SMALL_CONTEXTS)})
-    note(f"small model (decode from L2): {model.total_bytes / 2**20:.0f} MiB, decode after "
-         f"{' and '.join(map(str, SMALL_CONTEXTS))} positions")
+    note(f"small model (decode from L2): {model.total_bytes / 2**20:.0f} MiB, prompts of one chunk and decode "
+         f"after {' and '.join(map(str, SMALL_CONTEXTS))} positions")
     rng = np.random.default_rng(0)
-    samples, gaps = [], []
+    samples, gaps, launches = [], [], []
     with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine:
         for tokens in SMALL_CONTEXTS:
-            gaps.append(prefill_host_s(engine, gpu, tokens, rng, note)[1])
+            timed, gap_s, launch_s = prefill_host_s(engine, gpu, tokens, rng, note, in_l2=True)
+            samples.extend(timed)
+            gaps.append(gap_s)
+            launches.append(launch_s)
             for _ in range(2):
                 engine.generate(rng.integers(0, engine.hp.n_vocab, size=tokens).tolist(), 2)
             samples.extend(timed_nodes(engine, gpu, "decode", 1, tokens, in_l2=True))
-    return samples, gaps
+    return samples, gaps, launches
 
 
 def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int, in_l2: bool = False) -> list:
     """A `Sample` of every node of the engine's `kind` pass over `tokens` rows (a prefill pass's routed-expert
-    nodes computing the tiles of the routing the engine last read back), a decode pass's in the `decode_l2_*`
-    families if `in_l2`."""
+    nodes computing the tiles of the routing the engine last read back), in the `*_l2_*` families if `in_l2`."""
     program = engine._program(kind, tokens)
     steps = program.steps
     decode = kind == "decode"

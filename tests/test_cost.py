@@ -155,30 +155,33 @@ def test_each_streamed_copy_pays_the_copy_latency(qwen):
     assert times["slow", n_cache] == times["base", n_cache]
 
 
-def test_a_model_whose_weights_fit_in_l2_decodes_by_the_l2_families(qwen, tmp_path):
+def test_a_model_whose_weights_fit_in_l2_is_priced_by_the_l2_families(qwen, tmp_path):
     """The demo-sized model (its weights within the H200's 60 MiB of L2) prices its decode step's nodes by the
-    `decode_l2_*` fits, its prefill by the prefill ones; Qwen3-30B's decode by `decode_*`; a GPU with no L2
+    `decode_l2_*` fits, its prefill by the `prefill_l2_*` ones; Qwen3-30B's decode by `decode_*`; a GPU with no L2
     counted, or one too small, prices the small model like any other."""
     from runtime.calibrate import SMALL_SHAPE
     from runtime.synthetic import reduced_card
     gpu = load_profile("h200-141g").gpus[0]
     small = load_model(reduced_card(4, tmp_path, metadata=SMALL_SHAPE))
     blocks = range(small.hparams.n_trunk)
-    assert codegen_cost.decode_in_l2(small, blocks, gpu)
-    assert not codegen_cost.decode_in_l2(qwen, range(qwen.hparams.n_trunk), gpu)
-    assert not codegen_cost.decode_in_l2(small, blocks, dataclasses.replace(gpu, l2_bytes=small.total_bytes - 1))
-    assert not codegen_cost.decode_in_l2(small, blocks, dataclasses.replace(gpu, l2_bytes=0))
+    assert codegen_cost.weights_in_l2(small, blocks, gpu)
+    assert not codegen_cost.weights_in_l2(qwen, range(qwen.hparams.n_trunk), gpu)
+    assert not codegen_cost.weights_in_l2(small, blocks, dataclasses.replace(gpu, l2_bytes=small.total_bytes - 1))
+    assert not codegen_cost.weights_in_l2(small, blocks, dataclasses.replace(gpu, l2_bytes=0))
     decode = build_pass(small, "decode", 1, KV, layers=representative_layers(small.hparams))
     nodes = [node for name, node in decode.nodes(data=True) if node["op"] != "input"]
     assert {kernel_family(node, True, in_l2=True) for node in nodes} == {
         "decode_l2_matmul", "decode_l2_attention", "decode_l2_experts", "decode_l2_grouping", "decode_l2_small"}
     share = DeviceShare(0, gpu, tuple(blocks), True, True)
     device = DeviceCost(small, share, KV, Workload(prompts=((512, 1.0),), decode_tokens=8), mtp=False)
-    assert device.decode_in_l2
+    assert device.weights_in_l2
     in_l2 = device.cost("decode", 1)
     from_memory = pass_cost(decode, gpu, small, share.blocks)
     l2_fits = [f.latency_s for f in (gpu.kernels.decode_l2_matmul, gpu.kernels.decode_l2_small)]
     memory_fits = [f.latency_s for f in (gpu.kernels.decode_matmul, gpu.kernels.decode_small)]
     assert all(a < b for a, b in zip(l2_fits, memory_fits)) and in_l2.fixed_s < from_memory.fixed_s
-    assert device.cost("prefill", 64).fixed_s == pass_cost(device.graph("prefill", 64), gpu, small,
-                                                           share.blocks).fixed_s
+    prefill = device.graph("prefill", 64)
+    assert {kernel_family(node, False, in_l2=True) for name, node in prefill.nodes(data=True)
+            if node["op"] != "input"} == {"prefill_l2_matmul", "prefill_l2_attention", "prefill_l2_experts",
+                                          "prefill_l2_grouping", "prefill_l2_small", "decode_l2_matmul"}
+    assert device.cost("prefill", 64).fixed_s == pass_cost(prefill, gpu, small, share.blocks, in_l2=True).fixed_s
