@@ -10,7 +10,7 @@ import yaml
 from codegen.cost import tiled_s, tiled_sm_s
 from codegen.graph import Tiling
 from planner.profile import KernelFit, Kernels, load_profile, parse_profile
-from runtime.calibrate import FURTHER_TILE_GRID, RingBatches, fit, fit_tiled, ring_batch_s
+from runtime.calibrate import FURTHER_TILE_GRID, RingBatches, Sample, fit, fit_families, fit_tiled, ring_batch_s
 from runtime.detect import kernels_document
 
 
@@ -82,6 +82,23 @@ def test_fit_tiled_keeps_a_given_weight_element_and_its_bounds(rng):
     faster = [0.3 * (t[1] * (1 + 0.8 * (t[0] - 1))) for t in tiles]     # faster than the peak, no latency
     found = fit_tiled(tiles, faster, weight_element_s=2e-10)
     assert found.weight_element_s == 2e-10 and found.efficiency == 1.0 and found.latency_s >= 0.0
+
+
+def test_each_passs_routed_experts_take_its_own_matmuls_weight_element(rng):
+    """The large model's experts take `prefill_matmul`'s weight element, the small model's (`prefill_l2_*`)
+    `prefill_l2_matmul`'s: two models' matmuls, each fitted to its own tiles."""
+    samples = []
+    for prefix, weight_element_s in (("prefill", 3e-10), ("prefill_l2", 1e-10)):
+        truth = KernelFit(efficiency=0.8, latency_s=4e-6, weight_element_s=weight_element_s,
+                          further_tile=float(FURTHER_TILE_GRID[40]))
+        for family, count in ((f"{prefix}_matmul", 24), (f"{prefix}_experts", 8)):
+            for tiles in _tiled_nodes(rng, count):
+                measured = truth.latency_s + float(tiled_sm_s(truth, *tiles)) * rng.uniform(0.97, 1.03)
+                samples.append(Sample(family, "node", 0.0, measured, tiles))
+    fits = fit_families(samples)
+    for prefix in ("prefill", "prefill_l2"):
+        assert fits[f"{prefix}_experts"].weight_element_s == fits[f"{prefix}_matmul"].weight_element_s
+    assert fits["prefill_l2_matmul"].weight_element_s < fits["prefill_matmul"].weight_element_s
 
 
 def test_ring_batch_latency_is_what_batches_add_beyond_their_tiles(rng):

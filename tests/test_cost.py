@@ -155,6 +155,34 @@ def test_each_streamed_copy_pays_the_copy_latency(qwen):
     assert times["slow", n_cache] == times["base", n_cache]
 
 
+def test_a_chunk_adds_its_host_time_and_launches_its_nodes_at_the_measured_rate(qwen):
+    """Each chunk adds the profile's `prefill_host` whatever binds it; the launch bound takes each node at
+    `prefill_launch` and a MoE block whose every expert is cached at CACHED_BLOCK_CALLS `kernel_launch`s (its
+    routing's copy and event, its table's copy); a profile without `prefill_launch` launches nodes at
+    `kernel_launch`."""
+    from planner.predict import CACHED_BLOCK_CALLS
+    gpu = load_profile("h200-141g").gpus[0]
+    resident = qwen.hparams.n_expert * sum(qwen.hparams.is_moe_layer(b) for b in range(qwen.hparams.n_trunk))
+    n_moe = sum(qwen.hparams.is_moe_layer(b) for b in range(qwen.hparams.n_trunk))
+    prices = {}
+    for launch_s, host_s in ((17e-6, 0.0), (17e-6, 4e-4), (0.0, 0.0)):
+        kernels = dataclasses.replace(gpu.kernels, prefill_launch=KernelFit(latency_s=launch_s),
+                                      prefill_host=KernelFit(latency_s=host_s))
+        device = _streaming_device(qwen, dataclasses.replace(gpu, kernels=kernels))
+        for slots in (0, resident):
+            streaming = device.chunk_streaming(512, slots, 8)
+            prices[launch_s, host_s, slots] = (float(device.chunk_s(512, 512, 8, 512, streaming)),
+                                               float(streaming.launch_s))
+    n_nodes = device.cost("prefill", 512).n_nodes
+    assert prices[17e-6, 0.0, resident][1] == pytest.approx(
+        n_nodes * 17e-6 + n_moe * CACHED_BLOCK_CALLS * gpu.kernel_launch_s, rel=1e-12)
+    assert prices[0.0, 0.0, resident][1] == pytest.approx(
+        (n_nodes + n_moe * CACHED_BLOCK_CALLS) * gpu.kernel_launch_s, rel=1e-12)
+    for slots in (0, resident):
+        assert prices[17e-6, 4e-4, slots][0] - prices[17e-6, 0.0, slots][0] == pytest.approx(4e-4, rel=1e-9)
+    assert prices[17e-6, 0.0, 0][1] > prices[17e-6, 0.0, resident][1]     # a streaming block's batches' calls
+
+
 def test_a_model_whose_weights_fit_in_l2_is_priced_by_the_l2_families(qwen, tmp_path):
     """The demo-sized model (its weights within the H200's 60 MiB of L2) prices its decode step's nodes by the
     `decode_l2_*` fits, its prefill by the `prefill_l2_*` ones; Qwen3-30B's decode by `decode_*`; a GPU with no L2

@@ -129,6 +129,17 @@ def test_prompt_logits_are_bitwise_the_same_for_every_plan(folder, model, plain_
     assert np.array_equal(out.logits[0], want)
 
 
+def test_a_requests_logits_are_its_own_after_the_next_request(folder, model, rng):
+    """A prompt's last logits come back through one pinned row the engine reuses: what a request returned
+    stays as it was after the next request reads another prompt."""
+    first, second = [], []
+    with Engine(plan_for(folder, model, 600), model, progress=False) as engine:
+        list(engine.stream(rng.integers(0, 128, size=5).tolist(), max_new_tokens=1, logits=first))
+        kept = first[0].copy()
+        list(engine.stream(rng.integers(0, 128, size=7).tolist(), max_new_tokens=1, logits=second))
+    assert np.array_equal(first[0], kept) and not np.array_equal(second[0], kept)
+
+
 def test_a_reused_conversation_gives_the_logits_of_a_cold_read(folder, model, rng):
     plan = plan_for(folder, model, 600)
     first = rng.integers(0, 128, size=6).tolist()
