@@ -129,28 +129,23 @@ def test_prompt_logits_are_bitwise_the_same_for_every_plan(folder, model, plain_
     assert np.array_equal(out.logits[0], want)
 
 
-def test_a_requests_logits_are_its_own_after_the_next_request(folder, model, rng):
-    """A prompt's last logits come back through one pinned row the engine reuses: what a request returned
-    stays as it was after the next request reads another prompt."""
-    first, second = [], []
-    with Engine(plan_for(folder, model, 600), model, progress=False) as engine:
-        list(engine.stream(rng.integers(0, 128, size=5).tolist(), max_new_tokens=1, logits=first))
-        kept = first[0].copy()
-        list(engine.stream(rng.integers(0, 128, size=7).tolist(), max_new_tokens=1, logits=second))
-    assert np.array_equal(first[0], kept) and not np.array_equal(second[0], kept)
-
-
 def test_a_reused_conversation_gives_the_logits_of_a_cold_read(folder, model, rng):
+    """A warm read of a conversation's prefix gives bitwise the cold read's logits; the first request's
+    logits are still its own after the two that followed."""
     plan = plan_for(folder, model, 600)
     first = rng.integers(0, 128, size=6).tolist()
     more = rng.integers(0, 128, size=3).tolist()
+    first_logits = []
     with Engine(plan, model, progress=False) as engine:
-        out = engine.generate(first, max_new_tokens=1, conversation="c1")
-        warm = engine.generate(first + out.tokens + more, max_new_tokens=1, conversation="c1", return_logits=True)
+        tokens = list(engine.stream(first, max_new_tokens=1, conversation="c1", logits=first_logits))
+        kept = first_logits[0].copy()
+        warm = engine.generate(first + tokens + more, max_new_tokens=1, conversation="c1", return_logits=True)
         assert warm.reused_tokens == len(first)
-        cold = engine.generate(first + out.tokens + more, max_new_tokens=1, return_logits=True)
+        cold = engine.generate(first + tokens + more, max_new_tokens=1, return_logits=True)
         assert cold.reused_tokens == 0
     assert np.array_equal(warm.logits, cold.logits)
+    # a prompt's last logits come back through one pinned row the engine reuses: a request's stay its own
+    assert np.array_equal(first_logits[0], kept) and not np.array_equal(cold.logits[0], kept)
 
 
 def test_a_request_longer_than_the_kv_ring_reads_older_pages_from_the_host_copy(folder, model, rng):
