@@ -95,6 +95,13 @@ MEASURED_REQUESTS = (3, 25)   # a row's figures: the median of at least 3 reques
 MEASURED_S = 1.0              # have taken a second: a tiny model's single requests vary 2x
 
 
+def predicted(plan, prompt_tokens: int, new_tokens: int) -> tuple:
+    """(the plan's prefill tok/s for a prompt of `prompt_tokens`, its decode row for a request that then makes
+    `new_tokens`: the row at the request's mean depth, with the cache slots its K/V ring lends it)."""
+    return (nearest(plan.predictions["prefill"], "prompt_tokens", prompt_tokens)["tok_s"],
+            nearest(plan.predictions["decode"], "depth", prompt_tokens + new_tokens // 2))
+
+
 def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, rng, host_profile=0, histogram=None,
              context=CONTEXT, prompt=None):
     """One plan's engine: a warm-up request of the measured length (it binds that length's prefill programs,
@@ -137,9 +144,7 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
     hit = stats["expert_cache_hit_rate"]
     floor_decode_s = dense / ceilings["read"] + experts * (hit / ceilings["read"] + (1 - hit) / ceilings["zero_copy"])
     floor_prefill_s = streamed / ceilings["pinned"]
-    predicted_prefill = nearest(plan.predictions["prefill"], "prompt_tokens", prompt_tokens)["tok_s"]
-    # the plan's decode row for this request (its workload's), with the cache slots its K/V ring lends it
-    decode_row = nearest(plan.predictions["decode"], "depth", prompt_tokens + new_tokens // 2)
+    predicted_prefill, decode_row = predicted(plan, prompt_tokens, new_tokens)
     predicted_decode = decode_row["tok_s_without_mtp"]
     prefill_tok_s, decode_tok_s = prompt_tokens / prefill_s, 1 / step_s
     return {
@@ -147,7 +152,7 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
         "allocated - plan MiB": (allocated - plan.device_bytes(0)) / 2 ** 20, "start s": start_s,
         "cache slots": plan.knobs["expert_cache_slots"][0], "lent slots": stats["expert_slots_lent"],
         "ring slots": plan.knobs["prefill_ring_slots"],
-        "chunk": plan.knobs["chunk_tokens"],
+        "chunk": plan.knobs["chunk_tokens"], "kv pages": plan.knobs["kv_pages"],
         "prefill tok/s": prefill_tok_s, "prefill floor": floor_prefill_s / prefill_s if streamed else None,
         "prefill predicted": predicted_prefill, "prefill error": predicted_prefill / prefill_tok_s - 1,
         "decode tok/s": decode_tok_s, "of floor": floor_decode_s / step_s, "hit rate": hit,
