@@ -25,9 +25,10 @@ launch of a MoE kernel's 16 arrays) overstates for the rest.
 The `decode_l2_*` families (a model whose weights fit in L2, `codegen.cost.weights_in_l2`) come from a second,
 small model of the same architecture (SMALL_SHAPE: 512 wide, 32 experts of width 128, 4 blocks; about 30 MB)
 decoding after SMALL_CONTEXTS positions: its steps re-read their weights from L2, and its nodes take about half
-the 2048-wide model's time (BENCHMARKS.md). A GPU whose L2 cannot hold it gives them the `decode_*` fits. Its
-one-chunk prompts of SMALL_CONTEXTS tokens give the `prefill_l2_*` families the same way: the large model's
-fits price a small model's norms and attention at about twice their time (BENCHMARKS.md, validation run 18).
+the 2048-wide model's time (BENCHMARKS.md). Its one-chunk prompts of SMALL_CONTEXTS tokens give the
+`prefill_l2_*` families the same way: the large model's fits price a small model's norms and attention at about
+twice their time (BENCHMARKS.md, validation run 18). A GPU whose L2 cannot hold it gives the `*_l2_*` families
+the `decode_*` and `prefill_*` fits.
 """
 
 import itertools
