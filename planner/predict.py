@@ -13,8 +13,9 @@
   leave SMs idle), plus the profile's `prefill_ring_batch`: what a batch adds beyond its tiles (BENCHMARKS.md,
   the ring's timeline). A chunk takes max(compute, streaming, issuing): they run on separate engines and the
   host, which launches each kernel from Python (a node at the profile's `prefill_launch`, a batch's kernels,
-  copies and events at `kernel_launch`), so a shallow ring's many small batches cost launches; each chunk adds the profile's `prefill_host`: what the host takes that the
-  GPU's work does not hide (inputs staged, logits and routing read back, the pass's first launches);
+  copies and events at `kernel_launch`), so a shallow ring's many small batches cost launches; each chunk adds
+  the profile's `prefill_host`: what the host takes that the GPU's work does not hide (inputs staged, logits
+  and routing read back, the pass's first launches);
 - K/V ring: the last `resident` positions are in VRAM; attention over older ones streams them over the link;
 - MTP: a round drafts n tokens and verifies 1 + n in one window, yielding 1 + a + a^2 + ... + a^n tokens;
 - the host: a decode window or draft step is one graph replay, its copies in and out captured with it: one
@@ -30,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from codegen.cost import weights_in_l2, expected_tile_rows_per_pair, pass_cost
+from codegen.cost import expected_tile_rows_per_pair, pass_cost, weights_in_l2
 from codegen.graph import build_pass, representative_layers
 from planner.kv import KVType
 from planner.profile import GPU

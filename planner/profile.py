@@ -61,12 +61,13 @@ class Kernels:
     and beyond its tiles' cost; `prefill_host` (a latency only) what a prefill chunk costs the host that the
     GPU's work does not hide (its inputs staged, its logits and routing read back, the GPU waiting on the
     first launches), added to each chunk; `prefill_launch` (a latency only) the host's time to launch one node
-    of a prefill pass (0: the profile's `kernel_launch`). `decode_l2_*` price the decode families for a model whose weights fit in the
-    GPU's L2 cache (`codegen.cost.weights_in_l2`): its steps re-read them from L2, not device memory, and each
-    of its kernels' dependent loads waits for L2 (BENCHMARKS.md: a 4-block 512-wide model's decode nodes take
-    about half the time of the 2048-wide calibration model's); `prefill_l2_*` likewise price such a model's
-    prefill chunks (its small kernels take a fraction of the latency the 2048-wide model's fit, BENCHMARKS.md,
-    validation run 18); a profile that leaves one out gives it its `decode_*` or `prefill_*` family's fit."""
+    of a prefill pass (0: the profile's `kernel_launch`). `decode_l2_*` price the decode families for a model
+    whose weights fit in the GPU's L2 cache (`codegen.cost.weights_in_l2`): its steps re-read them from L2, not
+    device memory, and each of its kernels' dependent loads waits for L2 (BENCHMARKS.md: a 4-block 512-wide
+    model's decode nodes take about half the time of the 2048-wide calibration model's); `prefill_l2_*`
+    likewise price such a model's prefill chunks (its small kernels take a fraction of the latency in the
+    2048-wide model's fit, BENCHMARKS.md, validation run 18); a profile that leaves one out gives it its
+    `decode_*` or `prefill_*` family's fit."""
     decode_matmul: KernelFit = KernelFit()
     decode_attention: KernelFit = KernelFit()
     decode_experts: KernelFit = KernelFit()
@@ -94,8 +95,9 @@ class Kernels:
 
 KERNEL_FAMILIES = tuple(f.name for f in fields(Kernels))
 TILED_FAMILIES = ("prefill_matmul", "prefill_experts", "prefill_l2_matmul", "prefill_l2_experts")
+# each *_l2_* family -> the family it defaults to
 L2_FAMILIES = {f"{kind}_l2_{part}": f"{kind}_{part}" for kind in ("decode", "prefill")
-               for part in ("matmul", "attention", "experts", "grouping", "small")}   # each -> the family it defaults to
+               for part in ("matmul", "attention", "experts", "grouping", "small")}
 
 
 def _rounded(value):

@@ -41,8 +41,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from codegen.cost import (weights_in_l2, fitted_s, kernel_family, measured_tile_rows_per_pair, node_roofline_s, node_tiles,
-                          tile_terms, tiled_sm_s)
+from codegen.cost import (fitted_s, kernel_family, measured_tile_rows_per_pair, node_roofline_s, node_tiles,
+                          tile_terms, tiled_sm_s, weights_in_l2)
 from codegen.graph import prefill_tiling
 from codegen.lower.cuda import CapturedGraph, cuda
 from codegen.lower.moe import range_tiles
