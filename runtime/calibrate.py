@@ -350,10 +350,10 @@ def time_ring_batches(engine, tokens: int) -> RingBatches:
 
 
 def small_model_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) -> tuple[list, list, list]:
-    """(samples, `prefill_host_s` gaps, its nodes' launch times) of the SMALL_SHAPE model, whose weights fit in this GPU's L2: the
-    `decode_l2_*` families' (its decode steps after each of SMALL_CONTEXTS positions), the `prefill_l2_*`
-    families' (its one-chunk prompts of SMALL_CONTEXTS tokens) and those prompts' host gaps; none, with a
-    note, on a GPU whose L2 cannot hold it."""
+    """(samples, `prefill_host_s` gaps, its nodes' launch times) of the SMALL_SHAPE model, whose weights fit in
+    this GPU's L2: the `decode_l2_*` families' samples (its decode steps after each of SMALL_CONTEXTS positions),
+    the `prefill_l2_*` families' (its one-chunk prompts of SMALL_CONTEXTS tokens), and those prompts' host gaps
+    and launch times; none, with a note, on a GPU whose L2 cannot hold it."""
     from runtime.engine import Engine
 
     card = reduced_card(CALIBRATION_BLOCKS, folder, metadata=SMALL_SHAPE)
