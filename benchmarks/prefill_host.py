@@ -28,13 +28,12 @@ import numpy as np
 
 from benchmarks.e2e import print_table
 from codegen.lower.cuda import cuda
-from planner.kv_lending import needed_pages
 from planner.profile import load_profile
-from planner.search import PAGE_TOKENS, solve
+from planner.search import solve
 from planner.workload import Workload
-from runtime.calibrate import CALIBRATION_BLOCKS, LONG_CONTEXT_TOKENS, timed_nodes
+from runtime.calibrate import calibration_plan, timed_nodes
 from runtime.engine import Engine
-from runtime.synthetic import realistic_weights, reduced_card
+from runtime.synthetic import realistic_weights
 from tools.demo import DEMO_PATH
 
 ENGINE_PHASES = ("_lend_kv_pages", "_inputs", "_run_prefill")
@@ -115,10 +114,7 @@ def main():
     profile = Path(args.profile)
     gpu = load_profile(profile).gpus[0]
     with tempfile.TemporaryDirectory() as folder:
-        card = reduced_card(CALIBRATION_BLOCKS, Path(folder))
-        context = LONG_CONTEXT_TOKENS + 2048
-        plan = solve(profile, card, context=context, kv="f16", workload=Workload(prompts=((2048, 1.0),)),
-                     pins={"chunk_tokens": 2048, "kv_pages": int(needed_pages(context, PAGE_TOKENS))})
+        card, plan = calibration_plan(profile, Path(folder))
         with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine:
             print(f"calibration model ({card.stem}, {len(engine.moe_blocks)} MoE blocks):")
             print_table(measure(engine, gpu, [2048, 512], args.host_profile))

@@ -15,7 +15,7 @@ matrices 512 to 4096 wide and its nodes of one to 39 waves tell a tile's FLOPs f
 and a first tile from a further one. `prefill_ring_batch` is measured directly (`time_ring_batches`,
 `ring_batch_s`): what a block's routed experts cost, launched in the prefill ring's batches, beyond their one
 launch and beyond what the batches' smaller grids cost by the tile model. `prefill_host` is measured directly
-too (`prefill_host_s`): a one-chunk prompt's wall time beyond its nodes' GPU time (or beyond its launches' host
+too (`prefill_host_terms`): a one-chunk prompt's wall time beyond its nodes' GPU time (or beyond its launches' host
 time, where those take longer: the planner prices a chunk at the larger of the two), on both calibration models:
 what a chunk costs the host that the GPU's work does not hide (its inputs staged, its logits and routing read
 back, the GPU waiting on launches at the pass's start and between short nodes); `prefill_launch` is the host's
@@ -60,7 +60,7 @@ CHUNK_TOKENS = 2048
 SHORT_CHUNK_TOKENS = 512     # prefill nodes timed at two sizes: a fit needs two to tell latency from efficiency
 LONG_CONTEXT_TOKENS = 16384  # decode steps timed at two contexts, 2048 and this, for the same reason
 REPEATS = 15
-HOST_REQUESTS = 5           # one-chunk prompts whose median wall time `prefill_host_s` takes
+HOST_REQUESTS = 5           # one-chunk prompts whose median wall time `prefill_host_terms` takes
 RING_BATCH_EXPERTS = 4      # experts a batch of `ring_batch_s` (half of an 8-slot ring, the bundled cards' depth)
 FURTHER_TILE_GRID = np.linspace(0.5, 1.0, 51)   # the further-tile fractions `fit_tiled` tries
 SMALL_SHAPE = {"embedding_length": 512, "expert_feed_forward_length": 128, "expert_count": 32,
@@ -201,11 +201,7 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
 
     samples, host_gaps, launches = [], [], []
     with tempfile.TemporaryDirectory() as folder:
-        card = reduced_card(CALIBRATION_BLOCKS, Path(folder))
-        workload = Workload(prompts=((CHUNK_TOKENS, 1.0),), decode_tokens=8)
-        context = LONG_CONTEXT_TOKENS + CHUNK_TOKENS
-        plan = solve(profile_path, card, context=context, kv="f16", workload=workload,
-                     pins={"chunk_tokens": CHUNK_TOKENS, "kv_pages": int(needed_pages(context, PAGE_TOKENS))})
+        card, plan = calibration_plan(profile_path, Path(folder))
         note(f"calibration model: {card.stem}, prompts of {CHUNK_TOKENS} and {SHORT_CHUNK_TOKENS} tokens (one "
              f"chunk each), then decode after {CHUNK_TOKENS} and {LONG_CONTEXT_TOKENS}")
         rng = np.random.default_rng(0)
@@ -216,7 +212,7 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
             # each pass is timed right after requests that ran it: passes share the arena, so another pass's
             # activations would overwrite its inputs (token ids)
             for tokens in (CHUNK_TOKENS, SHORT_CHUNK_TOKENS):
-                timed, gap_s, launch_s = prefill_host_s(engine, gpu, tokens, rng, note)
+                timed, gap_s, launch_s = prefill_host_terms(engine, gpu, tokens, rng, note)
                 if tokens == CHUNK_TOKENS:
                     ring_batches = time_ring_batches(engine, tokens)
                 samples.extend(timed)
@@ -256,8 +252,19 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
     return Kernels(**fits), samples
 
 
-def prefill_host_s(engine, gpu: GPU, tokens: int, rng, note=print,
-                   in_l2: bool = False) -> tuple[list, float, float]:
+def calibration_plan(profile_path: Path, folder: Path) -> tuple:
+    """(the calibration model's card, written into `folder`; its plan on this machine: every expert and the
+    whole context's K/V in VRAM, chunks of CHUNK_TOKENS)."""
+    card = reduced_card(CALIBRATION_BLOCKS, folder)
+    context = LONG_CONTEXT_TOKENS + CHUNK_TOKENS
+    plan = solve(profile_path, card, context=context, kv="f16",
+                 workload=Workload(prompts=((CHUNK_TOKENS, 1.0),), decode_tokens=8),
+                 pins={"chunk_tokens": CHUNK_TOKENS, "kv_pages": int(needed_pages(context, PAGE_TOKENS))})
+    return card, plan
+
+
+def prefill_host_terms(engine, gpu: GPU, tokens: int, rng, note=print,
+                       in_l2: bool = False) -> tuple[list, float, float]:
     """(the `timed_nodes` of a `tokens`-row prefill pass, the host's part of a chunk, the host's time to launch
     a node of it): the median wall time of HOST_REQUESTS prompts of `tokens` tokens (one chunk each, after two
     that lowered the pass) beyond the larger of its nodes' GPU time and its launches' host time (`issue_s`)."""
@@ -350,7 +357,7 @@ def time_ring_batches(engine, tokens: int) -> RingBatches:
 
 
 def small_model_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) -> tuple[list, list, list]:
-    """(samples, `prefill_host_s` gaps, its nodes' launch times) of the SMALL_SHAPE model, whose weights fit in
+    """(samples, `prefill_host_terms` gaps, its nodes' launch times) of the SMALL_SHAPE model, whose weights fit in
     this GPU's L2: the `decode_l2_*` families' samples (its decode steps after each of SMALL_CONTEXTS positions),
     the `prefill_l2_*` families' (its one-chunk prompts of SMALL_CONTEXTS tokens), and those prompts' host gaps
     and launch times; none, with a note, on a GPU whose L2 cannot hold it."""
@@ -372,7 +379,7 @@ def small_model_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) 
     samples, gaps, launches = [], [], []
     with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine:
         for tokens in SMALL_CONTEXTS:
-            timed, gap_s, launch_s = prefill_host_s(engine, gpu, tokens, rng, note, in_l2=True)
+            timed, gap_s, launch_s = prefill_host_terms(engine, gpu, tokens, rng, note, in_l2=True)
             samples.extend(timed)
             gaps.append(gap_s)
             launches.append(launch_s)
