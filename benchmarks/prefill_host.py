@@ -13,12 +13,19 @@ and 768, one prompt of one chunk is read after two that warmed it, and split int
   host ms        the request's host time in each engine phase (perf_counter around each call), and "other":
                  the wall time outside them.
 
+`--demo-fractions F ...` measures the demo under `benchmarks/validate.py`'s budgets instead (its plans, each
+holding fraction F of the resident plan's bytes, solved for each prompt length as validate solves them, with
+the default skew, or `--trace`'s routing: a validate run's RUN.trace.json, to rebuild that run's plans): a row per
+budget and prompt, with the plan's knobs and its predicted prefill time, so a
+validated row that misses can be taken apart.
+
 `--host-profile N` prints the top N functions by own time of one more request (cProfile).
 """
 
 import argparse
 import cProfile
 import functools
+import json
 import pstats
 import tempfile
 import time
@@ -26,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.e2e import print_table
+from benchmarks.e2e import nearest, print_table
+from benchmarks.validate import DEMO_CONTEXT, DEMO_PROMPTS, demo_budgets
 from codegen.lower.cuda import cuda
 from planner.profile import load_profile
 from planner.search import solve
@@ -36,6 +44,7 @@ from runtime.engine import Engine
 from runtime.synthetic import realistic_weights
 from tools.demo import DEMO_PATH
 
+NEW_TOKENS = 32     # the decode tokens validate's plans are solved for
 ENGINE_PHASES = ("_lend_kv_pages", "_inputs", "_run_prefill")
 STORE_PHASES = ("settle", "refresh", "count_routed", "run_cached_block")
 
@@ -83,15 +92,16 @@ class HostClock:
         return row
 
 
-def measure(engine, gpu, tokens: list, host_profile: int) -> list:
-    """A row a prompt length: warm it twice, then read one more with the host's clocks on."""
+def measure(engine, gpu, tokens: list, host_profile: int, label: dict | None = None) -> list:
+    """A row a prompt length: warm it twice, then read one more with the host's clocks on; `label`'s columns
+    lead each row."""
     rng = np.random.default_rng(0)
     clock = HostClock(engine)
     rows = []
     for n in tokens:
         for _ in range(2):
             engine.generate(rng.integers(0, engine.hp.n_vocab, size=n).tolist(), 1)
-        row = {"tokens": n, **clock.request(rng.integers(0, engine.hp.n_vocab, size=n).tolist())}
+        row = {**(label or {}), "tokens": n, **clock.request(rng.integers(0, engine.hp.n_vocab, size=n).tolist())}
         nodes = timed_nodes(engine, gpu, "prefill", n, n)
         row["nodes ms"] = sum(sample.measured_s for sample in nodes) * 1e3
         row["beyond nodes ms"] = row["wall ms"] - row["nodes ms"]
@@ -106,13 +116,40 @@ def measure(engine, gpu, tokens: list, host_profile: int) -> list:
     return rows
 
 
+def demo_budget_rows(profile: Path, gpu, fractions: list, tokens: list, host_profile: int, histogram=None) -> list:
+    """`measure`'s rows for the demo under validate's budgets of `fractions`, a plan per budget and prompt
+    (planned from `histogram`, a trace's routing counts, when given)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for label, budget in demo_budgets(profile, Path(folder), fractions):
+            for n in tokens:
+                workload = Workload(prompts=((n, 1.0),), decode_tokens=NEW_TOKENS, histogram=histogram)
+                plan = solve(budget, DEMO_PATH, context=DEMO_CONTEXT, kv="f16", workload=workload, mtp=False)
+                knobs = plan.knobs
+                predicted_ms = n / nearest(plan.predictions["prefill"], "prompt_tokens", n)["tok_s"] * 1e3
+                with Engine(plan, DEMO_PATH, progress=False) as engine:
+                    rows += measure(engine, gpu, [n], host_profile, {
+                        "budget": label, "cache": knobs["expert_cache_slots"][0], "ring": knobs["prefill_ring_slots"],
+                        "chunk": knobs["chunk_tokens"], "kv pages": knobs["kv_pages"], "predicted ms": predicted_ms})
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", required=True, help="this machine's profile (stratum profile --detect)")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N")
+    parser.add_argument("--demo-fractions", type=float, nargs="+", metavar="F",
+                        help="the demo under validate's budgets of these fractions (e.g. 0.5 0.6 0.7 0.8)")
+    parser.add_argument("--trace", help="with --demo-fractions: plan from this validate run's RUN.trace.json")
     args = parser.parse_args()
     profile = Path(args.profile)
     gpu = load_profile(profile).gpus[0]
+    if args.demo_fractions:
+        histogram = (tuple(map(tuple, json.loads(Path(args.trace).read_text())["expert_popularity"]["histogram"]))
+                     if args.trace else None)
+        print_table(demo_budget_rows(profile, gpu, args.demo_fractions, list(DEMO_PROMPTS), args.host_profile,
+                                     histogram))
+        return
     with tempfile.TemporaryDirectory() as folder:
         card, plan = calibration_plan(profile, Path(folder))
         with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine:

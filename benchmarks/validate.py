@@ -66,13 +66,13 @@ def budget_profile(detected: Path, budget_gb: int, layers: int, folder: Path) ->
     return path
 
 
-def demo_budgets(detected: Path, folder: Path) -> list:
-    """(label, profile) for the demo model: the detected card with VRAM for DEMO_FRACTIONS of the bytes its
+def demo_budgets(detected: Path, folder: Path, fractions=DEMO_FRACTIONS) -> list:
+    """(label, profile) for the demo model: the detected card with VRAM for `fractions` of the bytes its
     resident plan takes (the demo is 25 MB: the cards' budgets would all hold it whole)."""
     resident = solve(detected, DEMO_PATH, context=DEMO_CONTEXT, kv="f16", mtp=False).device_bytes(0)
     document = yaml.safe_load(detected.read_text())
     budgets = []
-    for fraction in DEMO_FRACTIONS:
+    for fraction in fractions:
         for gpu in document["gpus"]:
             gpu["vram"] = f"{parse_bytes(gpu['reserved']) + int(fraction * resident)} B"
         document["name"] = f"{detected.stem}-demo-{fraction:.0%}"

@@ -62,8 +62,13 @@ def weights_in_l2(model, blocks, gpu: GPU) -> bool:
     return 0 < read_bytes <= gpu.l2_bytes
 
 
-def fitted_s(fit: KernelFit, roofline_s):
-    return fit.latency_s + roofline_s / fit.efficiency
+def fitted_s(fit: KernelFit, roofline_s, walk_tokens=0):
+    """A node's time by its family's fit: latency + roofline / efficiency, or its K/V walk of `walk_tokens`
+    positions where that takes longer (prefill attention's `KernelFit.walk_token_s`; 0 elsewhere)."""
+    seconds = roofline_s / fit.efficiency
+    if fit.walk_token_s:
+        seconds = np.maximum(seconds, fit.walk_token_s * walk_tokens)
+    return fit.latency_s + seconds
 
 
 def is_tiled(node: dict, decode: bool) -> bool:
@@ -135,7 +140,8 @@ class PassCost:
         total = 0.0
         for flops, flops_per_token, moved, kv_per_token, blocks, fit in self.attention:
             seconds = fitted_s(fit, np.maximum(scale * (flops + flops_per_token * context_tokens) / peak,
-                                               (scale * moved + kv_per_token * resident_tokens) / bandwidth))
+                                               (scale * moved + kv_per_token * resident_tokens) / bandwidth),
+                               context_tokens)
             if per_block:
                 return seconds
             total = total + blocks * seconds

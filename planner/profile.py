@@ -44,11 +44,17 @@ class KernelFit:
     The tiled families (TILED_FAMILIES) are priced by their tiles instead (`codegen.cost.tiled_s`): an SM runs
     its share of a node's tiles, one tile taking its FLOPs at the SM's share of fp32 over efficiency plus
     weight_element_s for each weight element the tile dequantizes, each further tile on the SM costing
-    further_tile of that (co-resident tiles overlap)."""
+    further_tile of that (co-resident tiles overlap).
+
+    Prefill attention (WALK_FAMILIES) may add walk_token_s: a block walks the K/V tile by tile up to its last
+    row, so a chunk whose blocks all fit on the SMs at once takes the walk of its last rows' block, the
+    context's positions at walk_token_s each, however few FLOPs it has; a node takes latency_s plus the larger
+    of that walk and its roofline time over efficiency (BENCHMARKS.md: the demo's 256-row chunks)."""
     efficiency: float = 1.0
     latency_s: float = 0.0
     weight_element_s: float = 0.0
     further_tile: float = 1.0
+    walk_token_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class Kernels:
 
 KERNEL_FAMILIES = tuple(f.name for f in fields(Kernels))
 TILED_FAMILIES = ("prefill_matmul", "prefill_experts", "prefill_l2_matmul", "prefill_l2_experts")
+WALK_FAMILIES = ("prefill_attention", "prefill_l2_attention")
 # each *_l2_* family -> the family it defaults to
 L2_FAMILIES = {f"{kind}_l2_{part}": f"{kind}_{part}" for kind in ("decode", "prefill")
                for part in ("matmul", "attention", "experts", "grouping", "small")}
@@ -229,7 +236,8 @@ def _parse_gpu(doc, source: str, where: str) -> GPU:
 
 def _parse_kernels(doc, source: str, where: str) -> Kernels:
     """`kernels: {family: {efficiency: 0.58, latency: 7 us}, ...}` (a tiled family may add `weight_element` and
-    `further_tile`); a family left out keeps the roofline, a `decode_l2_*` one its `decode_*` family's fit."""
+    `further_tile`, prefill attention `walk_token`); a family left out keeps the roofline, a `decode_l2_*` one
+    its `decode_*` family's fit."""
     if not isinstance(doc, dict):
         raise StratumError("expected a mapping of kernel families", source=source, field=where)
     _refuse_unknown(doc, set(KERNEL_FAMILIES), source, where + ".")
@@ -239,7 +247,8 @@ def _parse_kernels(doc, source: str, where: str) -> Kernels:
         if not isinstance(fit, dict):
             raise StratumError("expected a mapping with efficiency and latency", source=source, field=at)
         tiled = {"weight_element", "further_tile"} if family in TILED_FAMILIES else set()
-        _refuse_unknown(fit, {"efficiency", "latency"} | tiled, source, at + ".")
+        walk = {"walk_token"} if family in WALK_FAMILIES else set()
+        _refuse_unknown(fit, {"efficiency", "latency"} | tiled | walk, source, at + ".")
         efficiency = _fraction(fit.get("efficiency", 1.0), "a fraction of the roofline in (0, 1], such as 0.58",
                                source, at + ".efficiency")
         further = _fraction(fit.get("further_tile", 1.0), "a fraction of a first tile's time in (0, 1], such as "
@@ -247,7 +256,9 @@ def _parse_kernels(doc, source: str, where: str) -> Kernels:
         latency = parse_seconds(fit["latency"], source=source, field=at + ".latency") if "latency" in fit else 0.0
         weight_element = (parse_seconds(fit["weight_element"], source=source, field=at + ".weight_element")
                           if "weight_element" in fit else 0.0)
-        fits[family] = KernelFit(efficiency, latency, weight_element, further)
+        walk_token = (parse_seconds(fit["walk_token"], source=source, field=at + ".walk_token")
+                      if "walk_token" in fit else 0.0)
+        fits[family] = KernelFit(efficiency, latency, weight_element, further, walk_token)
     for family, fallback in L2_FAMILIES.items():
         if family not in fits and fallback in fits:
             fits[family] = fits[fallback]

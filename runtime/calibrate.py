@@ -25,9 +25,11 @@ launch of a MoE kernel's 16 arrays) overstates for the rest.
 The `decode_l2_*` families (a model whose weights fit in L2, `codegen.cost.weights_in_l2`) come from a second,
 small model of the same architecture (SMALL_SHAPE: 512 wide, 32 experts of width 128, 4 blocks; about 30 MB)
 decoding after SMALL_CONTEXTS positions: its steps re-read their weights from L2, and its nodes take about half
-the 2048-wide model's time (BENCHMARKS.md). Its one-chunk prompts of SMALL_CONTEXTS tokens give the
+the 2048-wide model's time (BENCHMARKS.md). Its one-chunk prompts of SMALL_PREFILL_TOKENS give the
 `prefill_l2_*` families the same way: the large model's fits price a small model's norms and attention at about
-twice their time (BENCHMARKS.md, validation run 18). A GPU whose L2 cannot hold it gives the `*_l2_*` families
+twice their time (BENCHMARKS.md, validation run 18). Three lengths tell prefill attention's walk
+(`KernelFit.walk_token_s`, `fit_walk`) from its latency and efficiency: at 256 and 512 rows a chunk's blocks
+all fit on the SMs and its time follows the last rows' walk through the context, at 4096 its FLOPs. A GPU whose L2 cannot hold it gives the `*_l2_*` families
 the `decode_*` and `prefill_*` fits.
 """
 
@@ -49,7 +51,7 @@ from codegen.lower.moe import range_tiles
 from planner.architecture import tensor_layer
 from planner.kv_lending import needed_pages
 from planner.model import load_model
-from planner.profile import GPU, L2_FAMILIES, TILED_FAMILIES, KernelFit, Kernels
+from planner.profile import GPU, L2_FAMILIES, TILED_FAMILIES, WALK_FAMILIES, KernelFit, Kernels
 from planner.search import PAGE_TOKENS, solve
 from planner.workload import Workload
 from runtime.ceilings import time_s
@@ -63,10 +65,13 @@ REPEATS = 15
 HOST_REQUESTS = 5           # one-chunk prompts whose median wall time `prefill_host_terms` takes
 RING_BATCH_EXPERTS = 4      # experts a batch of `ring_batch_s` (half of an 8-slot ring, the bundled cards' depth)
 FURTHER_TILE_GRID = np.linspace(0.5, 1.0, 51)   # the further-tile fractions `fit_tiled` tries
+WALK_GRID = 401            # points a side of `fit_walk`'s grid
+WALK_MIN_CONTEXTS = 3      # distinct contexts a walk needs besides a latency and an efficiency
 SMALL_SHAPE = {"embedding_length": 512, "expert_feed_forward_length": 128, "expert_count": 32,
                "expert_used_count": 4, "attention.head_count": 8, "attention.head_count_kv": 2,
                "attention.key_length": 64, "attention.value_length": 64, "vocab_size": 4096}
 SMALL_CONTEXTS = (512, 4096)     # decode attention's time grows with the context: two tell its two terms
+SMALL_PREFILL_TOKENS = (256,) + SMALL_CONTEXTS     # prefill attention's walk makes three terms
 
 
 class Sample(NamedTuple):
@@ -77,6 +82,7 @@ class Sample(NamedTuple):
     measured_s: float
     tiles: tuple | None = None      # a tiled family's: (waves, a tile's FLOPs at an SM's peak s, its weight
     #                                 elements), `codegen.cost.tile_terms`
+    context_tokens: int = 0         # the positions of K/V its pass's last row reads (a prefill attention walk)
 
 
 @cuda.jit
@@ -124,6 +130,34 @@ def fit(rooflines_s, times_s) -> KernelFit:
         latency = 0.0
         inverse = max(1.0, float(np.sum(measured) / np.sum(roof)))
     return KernelFit(efficiency=float(1.0 / inverse), latency_s=float(max(latency, 0.0)))
+
+
+def fit_walk(rooflines_s, contexts, times_s) -> KernelFit:
+    """`fit` with a walk (`KernelFit.walk_token_s`): the latency >= 0, efficiency in (0, 1] and walk_token_s
+    >= 0 of latency + max(roofline / efficiency, walk_token_s x context) that fit the measured times in least
+    squares (absolute errors, as `fit`). The max makes it piecewise: searched on a grid of walks and inverse
+    efficiencies, refined twice around the best, the latency solved at each point (the mean residual, held at
+    0 below it). Fewer than WALK_MIN_CONTEXTS distinct contexts cannot tell a walk from a latency and an
+    efficiency: `fit` alone."""
+    roof, context, measured = (np.asarray(column, float) for column in (rooflines_s, contexts, times_s))
+    if len(set(context.tolist())) < WALK_MIN_CONTEXTS:
+        return fit(roof, measured)
+
+    def error(walk, inverse):
+        bound = np.maximum(roof[None, None] * inverse[None, :, None], walk[:, None, None] * context[None, None])
+        latency = np.maximum(0.0, np.mean(measured - bound, axis=-1))
+        return np.sum((measured - bound - latency[..., None]) ** 2, axis=-1), latency
+
+    walks = np.linspace(0.0, float(np.max(measured / np.maximum(context, 1.0))), WALK_GRID)
+    inverses = np.geomspace(1.0, max(2.0, float(np.max(measured / np.maximum(roof, 1e-15)))), WALK_GRID)
+    for _ in range(3):
+        sse, latency = error(walks, inverses)
+        i, j = np.unravel_index(np.argmin(sse), sse.shape)
+        best = (walks[i], inverses[j], latency[i, j])
+        walks = np.linspace(walks[max(i - 1, 0)], walks[min(i + 1, len(walks) - 1)], WALK_GRID)
+        inverses = np.geomspace(inverses[max(j - 1, 0)], inverses[min(j + 1, len(inverses) - 1)], WALK_GRID)
+    walk, inverse, latency = best
+    return KernelFit(efficiency=float(1.0 / inverse), latency_s=float(latency), walk_token_s=float(walk))
 
 
 def fit_tiled(tiles, times_s, weight_element_s: float | None = None) -> KernelFit:
@@ -180,6 +214,9 @@ def fit_families(samples: list) -> dict:
             matmul = family.replace("_experts", "_matmul")
             given = fits[matmul].weight_element_s if family != matmul and matmul in fits else None
             fits[family] = fit_tiled([r.tiles for r in rows], [r.measured_s for r in rows], given)
+        elif family in WALK_FAMILIES:
+            fits[family] = fit_walk([r.roofline_s for r in rows], [r.context_tokens for r in rows],
+                                    [r.measured_s for r in rows])
         else:
             fits[family] = fit([r.roofline_s for r in rows], [r.measured_s for r in rows])
     return fits
@@ -190,7 +227,7 @@ def sample_s(kernels: Kernels, sample: Sample) -> float:
     family = getattr(kernels, sample.family)
     if sample.tiles is not None:
         return family.latency_s + float(tiled_sm_s(family, *sample.tiles))
-    return float(fitted_s(family, sample.roofline_s))
+    return float(fitted_s(family, sample.roofline_s, sample.context_tokens))
 
 
 def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
@@ -237,6 +274,8 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
     for family, fitted in fits.items():
         tiled = (f", {fitted.weight_element_s * 1e12:.3g} ps a weight element, further tiles at "
                  f"{fitted.further_tile:.0%}") if family in TILED_FAMILIES else ""
+        if fitted.walk_token_s:
+            tiled += f", or a walk of {fitted.walk_token_s * 1e9:.3g} ns a context position where longer"
         note(f"  {family}: {counts[family]} nodes, {fitted.efficiency:.0%} of the roofline + "
              f"{fitted.latency_s * 1e6:.3g} us{tiled}")
     batch_s = ring_batch_s(ring_batches, gpu, fits["prefill_experts"])
@@ -359,7 +398,7 @@ def time_ring_batches(engine, tokens: int) -> RingBatches:
 def small_model_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) -> tuple[list, list, list]:
     """(samples, `prefill_host_terms` gaps, its nodes' launch times) of the SMALL_SHAPE model, whose weights fit in
     this GPU's L2: the `decode_l2_*` families' samples (its decode steps after each of SMALL_CONTEXTS positions),
-    the `prefill_l2_*` families' (its one-chunk prompts of SMALL_CONTEXTS tokens), and those prompts' host gaps
+    the `prefill_l2_*` families' (its one-chunk prompts of SMALL_PREFILL_TOKENS), and those prompts' host gaps
     and launch times; none, with a note, on a GPU whose L2 cannot hold it."""
     from runtime.engine import Engine
 
@@ -373,16 +412,19 @@ def small_model_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) 
     plan = solve(profile_path, card, context=context, kv="f16",
                  workload=Workload(prompts=((max(SMALL_CONTEXTS), 1.0),), decode_tokens=8),
                  pins={"kv_pages": int(needed_pages(context, PAGE_TOKENS)), "chunk_tokens": max(SMALL_CONTEXTS)})
-    note(f"small model (decode from L2): {model.total_bytes / 2**20:.0f} MiB, prompts of one chunk and decode "
-         f"after {' and '.join(map(str, SMALL_CONTEXTS))} positions")
+    note(f"small model (decode from L2): {model.total_bytes / 2**20:.0f} MiB, prompts of one chunk of "
+         f"{', '.join(map(str, SMALL_PREFILL_TOKENS))} tokens, decode after {' and '.join(map(str, SMALL_CONTEXTS))} "
+         "positions")
     rng = np.random.default_rng(0)
     samples, gaps, launches = [], [], []
     with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine:
-        for tokens in SMALL_CONTEXTS:
+        for tokens in SMALL_PREFILL_TOKENS:
             timed, gap_s, launch_s = prefill_host_terms(engine, gpu, tokens, rng, note, in_l2=True)
             samples.extend(timed)
             gaps.append(gap_s)
             launches.append(launch_s)
+            if tokens not in SMALL_CONTEXTS:
+                continue
             for _ in range(2):
                 engine.generate(rng.integers(0, engine.hp.n_vocab, size=tokens).tolist(), 2)
             samples.extend(timed_nodes(engine, gpu, "decode", 1, tokens, in_l2=True))
@@ -408,7 +450,7 @@ def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int, in_l2: b
         samples.append(Sample(kernel_family(program.graph.nodes[step.name], decode, in_l2), step.name,
                               node_roofline_s(program.graph, step.name, gpu, engine.model, context + decode, rows),
                               float(measured), None if tiled is None else
-                              tuple(float(term) for term in tile_terms(gpu, *tiled))))
+                              tuple(float(term) for term in tile_terms(gpu, *tiled)), context + decode))
     return samples
 
 

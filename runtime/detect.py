@@ -18,7 +18,7 @@ import yaml
 
 from codegen.lower.cuda import SIMULATOR, cuda, device_name
 from planner.errors import StratumError
-from planner.profile import KERNEL_FAMILIES, TILED_FAMILIES, load_profile
+from planner.profile import KERNEL_FAMILIES, TILED_FAMILIES, WALK_FAMILIES, load_profile
 from runtime import ceilings
 
 MODULE_MARGIN_BYTES = 512 << 20    # kernel modules, graphs and fragmentation after the context's own use
@@ -93,6 +93,8 @@ def kernels_document(kernels) -> dict:
         if family in TILED_FAMILIES:
             document[family].update(weight_element=f"{fit.weight_element_s * 1e9:.3g} ns",
                                     further_tile=float(f"{fit.further_tile:.3g}"))
+        if family in WALK_FAMILIES and fit.walk_token_s:
+            document[family]["walk_token"] = f"{fit.walk_token_s * 1e9:.3g} ns"
     return document
 
 

@@ -10,7 +10,8 @@ import yaml
 from codegen.cost import tiled_s, tiled_sm_s
 from codegen.graph import Tiling
 from planner.profile import KernelFit, Kernels, load_profile, parse_profile
-from runtime.calibrate import FURTHER_TILE_GRID, RingBatches, Sample, fit, fit_families, fit_tiled, ring_batch_s
+from runtime.calibrate import (FURTHER_TILE_GRID, RingBatches, Sample, fit, fit_families, fit_tiled, fit_walk,
+                               ring_batch_s, sample_s)
 from runtime.detect import kernels_document
 
 
@@ -52,6 +53,62 @@ def test_fit_gives_a_familys_nodes_their_measured_total(rng):
     found = fit(rooflines, measured)
     assert 0 < found.efficiency <= 1 and found.latency_s >= 0
     assert np.sum(found.latency_s + rooflines / found.efficiency) == pytest.approx(np.sum(measured), rel=1e-9)
+
+
+def _attention_nodes(rng, truth: KernelFit, contexts) -> tuple:
+    """(rooflines, contexts, times) of prefill attention nodes of one-chunk prompts priced by `truth`, their
+    causal FLOPs' roofline quadratic in the rows (8 heads of 64 dims at 52 TFLOPS), 1% noise."""
+    contexts = np.repeat(np.asarray(contexts, float), 4)
+    rooflines = contexts * (contexts + 1) / 2 * 8 * 256 / 52e12
+    times = truth.latency_s + np.maximum(rooflines / truth.efficiency, truth.walk_token_s * contexts)
+    return rooflines, contexts, times * rng.uniform(0.995, 1.005, size=times.size)
+
+
+def test_fit_walk_recovers_a_walk_bound_short_chunk_and_a_flop_bound_long_one(rng):
+    """Short chunks take the walk of their last rows through the context (one wave of blocks), a long one its
+    FLOPs: three lengths give the latency, efficiency and walk back, and price a length between them."""
+    truth = KernelFit(efficiency=rng.uniform(0.2, 0.4), latency_s=rng.uniform(3e-6, 1.2e-5),
+                      walk_token_s=rng.uniform(1.5e-7, 2.5e-7))
+    rooflines, contexts, times = _attention_nodes(rng, truth, [256, 512, 4096])
+    found = fit_walk(rooflines, contexts, times)
+    assert found.walk_token_s == pytest.approx(truth.walk_token_s, rel=0.03)
+    assert found.efficiency == pytest.approx(truth.efficiency, rel=0.02)
+    assert found.latency_s == pytest.approx(truth.latency_s, abs=2e-6)
+    rooflines, contexts, times = _attention_nodes(rng, truth, [768])
+    priced = [sample_s(Kernels(prefill_l2_attention=found), Sample("prefill_l2_attention", "a", r, t, None, int(c)))
+              for r, c, t in zip(rooflines, contexts, times)]
+    assert priced == pytest.approx(times, rel=0.03)
+
+
+def test_fit_walk_needs_three_contexts_and_keeps_the_fits_bounds(rng):
+    """Two lengths cannot tell a walk from a latency and an efficiency: the plain fit, no walk. Times faster
+    than the roofline give efficiency 1 and no negative latency."""
+    truth = KernelFit(efficiency=0.3, latency_s=8e-6, walk_token_s=2e-7)
+    rooflines, contexts, times = _attention_nodes(rng, truth, [512, 4096])
+    assert fit_walk(rooflines, contexts, times) == fit(rooflines, times)
+    rooflines, contexts, _ = _attention_nodes(rng, truth, [256, 512, 4096])
+    faster = fit_walk(rooflines, contexts, 0.5 * rooflines)
+    assert faster.efficiency == 1.0 and faster.latency_s >= 0.0 and faster.walk_token_s >= 0.0
+
+
+def test_the_l2_attention_family_is_fitted_with_its_walk(rng):
+    """fit_families gives prefill attention its walk where its samples span three contexts."""
+    truth = KernelFit(efficiency=0.28, latency_s=9e-6, walk_token_s=1.9e-7)
+    rooflines, contexts, times = _attention_nodes(rng, truth, [256, 512, 4096])
+    samples = [Sample("prefill_l2_attention", f"blk.{i % 4}.attention", r, t, None, int(c))
+               for i, (r, c, t) in enumerate(zip(rooflines, contexts, times))]
+    found = fit_families(samples)["prefill_l2_attention"]
+    assert found.walk_token_s == pytest.approx(truth.walk_token_s, rel=0.03)
+
+
+def test_a_walk_is_written_so_that_it_reads_back():
+    """detect writes a prefill attention family's walk into the profile; the parser reads it back."""
+    walked = KernelFit(efficiency=0.275, latency_s=8.2e-6, walk_token_s=1.93e-7)
+    document = yaml.safe_load((Path(__file__).parents[1] / "plans/hardware/h200-141g.yaml").read_text())
+    document["gpus"][0]["kernels"] = kernels_document(Kernels(prefill_l2_attention=walked))
+    kernels = parse_profile(yaml.safe_load(yaml.safe_dump(document)), source="test").gpus[0].kernels
+    assert kernels.prefill_l2_attention.walk_token_s == pytest.approx(1.93e-7, rel=1e-3)
+    assert kernels.prefill_attention.walk_token_s == 0.0
 
 
 def _tiled_nodes(rng, n: int):

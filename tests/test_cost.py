@@ -213,3 +213,23 @@ def test_a_model_whose_weights_fit_in_l2_is_priced_by_the_l2_families(qwen, tmp_
             if node["op"] != "input"} == {"prefill_l2_matmul", "prefill_l2_attention", "prefill_l2_experts",
                                           "prefill_l2_grouping", "prefill_l2_small", "decode_l2_matmul"}
     assert device.cost("prefill", 64).fixed_s == pass_cost(prefill, gpu, small, share.blocks, in_l2=True).fixed_s
+
+
+def test_a_short_chunks_attention_takes_its_walk_through_the_context(qwen, rng):
+    """With a walk in its family's fit, a prefill attention node takes its latency plus the larger of its
+    roofline over efficiency and its context's positions at walk_token_s each: a 256-row chunk from 0 walks
+    256 positions, the same chunk after 3840 others walks 4096; decode attention has no walk."""
+    gpu = load_profile("h200-141g").gpus[0]
+    walk = KernelFit(efficiency=0.3, latency_s=rng.uniform(2e-6, 1e-5), walk_token_s=rng.uniform(1e-6, 2e-6))
+    gpu = dataclasses.replace(gpu, kernels=dataclasses.replace(gpu.kernels, prefill_attention=walk))
+    graph = build_pass(qwen, "prefill", 256, KV, layers=representative_layers(qwen.hparams))
+    cost = pass_cost(graph, gpu, qwen, [0])
+    flops, per_token, moved, kv_per_token, _, _ = cost.attention[0]
+    for context in (256, 4096):
+        roofline = max((flops + per_token * context) / gpu.fp32_flops,
+                       (moved + kv_per_token * context) / gpu.memory_bandwidth_bytes_per_s)
+        assert walk.walk_token_s * context > roofline / walk.efficiency      # this walk binds
+        assert float(cost.attention_s(context, context)) == pytest.approx(
+            walk.latency_s + walk.walk_token_s * context, rel=1e-12)
+    decode = pass_cost(build_pass(qwen, "decode", 1, KV, layers=representative_layers(qwen.hparams)), gpu, qwen, [0])
+    assert decode.attention[0][-1].walk_token_s == 0.0

@@ -337,6 +337,8 @@ def test_fp16_defaults_to_fp32(tmp_path):
     ({"prefill_matmul": {"further_tile": 0}}, "kernels.prefill_matmul.further_tile", "(0, 1]"),
     ({"prefill_experts": {"weight_element": 0.3}}, "kernels.prefill_experts.weight_element", "no unit"),
     ({"decode_matmul": {"further_tile": 0.8}}, "kernels.decode_matmul.further_tile", "unknown field"),
+    ({"decode_attention": {"walk_token": "0.2 us"}}, "kernels.decode_attention.walk_token", "unknown field"),
+    ({"prefill_attention": {"walk_token": 2e-7}}, "kernels.prefill_attention.walk_token", "no unit"),
 ])
 def test_bad_kernel_calibration_is_refused(tmp_path, kernels, field, says):
     message = refused(write(tmp_path, variant(kernels=kernels)))
