@@ -157,6 +157,16 @@ def fit_walk(rooflines_s, contexts, times_s) -> KernelFit:
         walks = np.linspace(walks[max(i - 1, 0)], walks[min(i + 1, len(walks) - 1)], WALK_GRID)
         inverses = np.geomspace(inverses[max(j - 1, 0)], inverses[min(j + 1, len(inverses) - 1)], WALK_GRID)
     walk, inverse, latency = best
+    for _ in range(3):      # polish: the grid's split into walk-bound and FLOP-bound nodes, solved exactly
+        walked = walk * context > roof * inverse
+        if walked.all() or not walked.any():
+            break           # one kind alone leaves a column of zeros: the grid's point stands
+        design = np.column_stack([np.ones_like(roof), np.where(walked, 0.0, roof), np.where(walked, context, 0.0)])
+        solved = _bounded_lstsq(design, measured, [0.0, 1.0, 0.0], [np.inf, np.inf, np.inf])[0]
+        if not np.array_equal(solved[2] * context > roof * solved[1], walked) or \
+                error(solved[2:], solved[1:2])[0][0, 0] >= error(np.array([walk]), np.array([inverse]))[0][0, 0]:
+            break
+        latency, inverse, walk = solved
     return KernelFit(efficiency=float(1.0 / inverse), latency_s=float(latency), walk_token_s=float(walk))
 
 
