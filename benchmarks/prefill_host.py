@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.e2e import nearest, print_table
+from benchmarks.e2e import predicted, print_table
 from benchmarks.validate import DEMO_CONTEXT, DEMO_PROMPTS, demo_budgets
 from codegen.lower.cuda import cuda
 from planner.profile import load_profile
@@ -127,7 +127,7 @@ def demo_budget_rows(profile: Path, gpu, fractions: list, tokens: list, host_pro
                 workload = Workload(prompts=((n, 1.0),), decode_tokens=NEW_TOKENS, histogram=histogram)
                 plan = solve(budget, DEMO_PATH, context=DEMO_CONTEXT, kv="f16", workload=workload, mtp=False)
                 knobs = plan.knobs
-                predicted_ms = n / nearest(plan.predictions["prefill"], "prompt_tokens", n)["tok_s"] * 1e3
+                predicted_ms = n / predicted(plan, n, NEW_TOKENS)[0] * 1e3
                 with Engine(plan, DEMO_PATH, progress=False) as engine:
                     rows += measure(engine, gpu, [n], host_profile, {
                         "budget": label, "cache": knobs["expert_cache_slots"][0], "ring": knobs["prefill_ring_slots"],

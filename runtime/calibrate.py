@@ -29,8 +29,8 @@ the 2048-wide model's time (BENCHMARKS.md). Its one-chunk prompts of SMALL_PREFI
 `prefill_l2_*` families the same way: the large model's fits price a small model's norms and attention at about
 twice their time (BENCHMARKS.md, validation run 18). Three lengths tell prefill attention's walk
 (`KernelFit.walk_token_s`, `fit_walk`) from its latency and efficiency: at 256 and 512 rows a chunk's blocks
-all fit on the SMs and its time follows the last rows' walk through the context, at 4096 its FLOPs. A GPU whose L2 cannot hold it gives the `*_l2_*` families
-the `decode_*` and `prefill_*` fits.
+all fit on the SMs and its time follows the last rows' walk through the context, at 4096 its FLOPs. A GPU whose
+L2 cannot hold it gives the `*_l2_*` families the `decode_*` and `prefill_*` fits.
 """
 
 import itertools
@@ -137,7 +137,8 @@ def fit_walk(rooflines_s, contexts, times_s) -> KernelFit:
     >= 0 of latency + max(roofline / efficiency, walk_token_s x context) that fit the measured times in least
     squares (absolute errors, as `fit`). The max makes it piecewise: searched on a grid of walks and inverse
     efficiencies, refined twice around the best, the latency solved at each point (the mean residual, held at
-    0 below it). Fewer than WALK_MIN_CONTEXTS distinct contexts cannot tell a walk from a latency and an
+    0 below it), then polished by least squares on the best point's split into walk-bound and FLOP-bound nodes
+    while the split holds. Fewer than WALK_MIN_CONTEXTS distinct contexts cannot tell a walk from a latency and an
     efficiency: `fit` alone."""
     roof, context, measured = (np.asarray(column, float) for column in (rooflines_s, contexts, times_s))
     if len(set(context.tolist())) < WALK_MIN_CONTEXTS:
