@@ -3,16 +3,12 @@
 is first imported, which is why it lives here."""
 
 import os
-import sys
 import warnings
 
 import numpy as np
 import pytest
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-# The simulator runs each CUDA thread as a Python thread (tests/simulator.py's pool waits at every
-# syncthreads); a switch interval of 1 ms instead of 5 hands the GIL on sooner, and measured faster than 10 us.
-sys.setswitchinterval(1e-3)
 warnings.filterwarnings("ignore", message=".*(under-utilization|copy overhead).*")   # tiny simulated launches
 
 from codegen.lower.cuda import SIMULATOR  # noqa: E402 (numba reads NUMBA_ENABLE_CUDASIM when first imported)
