@@ -17,8 +17,8 @@ A request that needs fewer pages than the ring has lends the other slots of ever
 
 import numpy as np
 
-from codegen.lower.cuda import copy_rows, cuda, mapped_filled
-from codegen.lower.kv_pages import kv_arrays
+from codegen.lower.cuda import copy_rows, cuda
+from codegen.lower.kv_pages import kv_arrays, mapped_host_copy
 from planner.errors import StratumError
 from planner.kv_lending import page_parts, part_offsets
 
@@ -51,7 +51,7 @@ class KVRing:
             whole = layout(self.full_pages)
             progress.start("pinning the host copy of the K/V", len(layers) * whole.nbytes, "B")
             for layer in layers:
-                self.host[layer] = whole.allocate(mapped_filled)
+                self.host[layer] = mapped_host_copy(whole)
                 progress.advance(whole.nbytes)
             progress.finish()
         self.holds = np.full(n_slots, -1, np.int64)           # slot -> the page it holds

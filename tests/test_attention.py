@@ -16,7 +16,7 @@ from codegen.lower import attention as att
 from codegen.lower.attention_decode import LANES as DECODE_TILE, block_warps, make_decode_attention
 from codegen.lower.attention_combine import make_attention_combine
 from codegen.lower import kv_pages
-from codegen.lower.cuda import cuda, mapped_filled
+from codegen.lower.cuda import cuda
 from planner.errors import StratumError
 from planner.kv import parse_kv_type, row_bytes
 from runtime.reference import attention, kv_round
@@ -190,11 +190,11 @@ def test_pages_the_table_marks_missing_are_read_from_the_host_copy(rng, kv_name)
     setup = Setup(rng, kv_name, 30)
     want_rows, want_window = setup.prefill(np.arange(13, 30)), setup.decode(np.arange(27, 30))
     n_pages = len(setup.table)
-    host = kv_pages.kv_arrays(kv_name, n_pages, setup.page_tokens, setup.n_head_kv, setup.dk,
-                              setup.dv).allocate(mapped_filled)
+    host = kv_pages.mapped_host_copy(kv_pages.kv_arrays(kv_name, n_pages, setup.page_tokens, setup.n_head_kv,
+                                                        setup.dk, setup.dv))
     setup.store(np.arange(30), host_pages=host)
     for name in ("k_data", "k_scales", "v_data", "v_scales"):
-        slots, copy = getattr(setup.pages, name).copy_to_host(), np.asarray(getattr(host, name))
+        slots, copy = getattr(setup.pages, name).copy_to_host(), getattr(host, name).copy_to_host()
         if slots.shape[1] > 1:          # a float type's scales are a placeholder
             assert np.array_equal(copy, slots[setup.table]), name
     missing = [0, 2, 5]

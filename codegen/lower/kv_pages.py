@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import aligned16, bits_to_f32, cuda, f32_to_bits, launch_kernel, mapped_device_view, roundf
+from codegen.lower.cuda import (aligned16, bits_to_f32, cuda, f32_to_bits, launch_kernel, mapped_device_view,
+                                mapped_filled, roundf)
 from codegen.lower.weights import placeholder_scales
 from planner.errors import StratumError
 from planner.kv import KVType, parse_kv_type, row_bytes
@@ -164,12 +165,17 @@ def aligned_kernel_arrays(pages: KVPages, host_pages: KVPages | None, reader: st
     return arrays
 
 
+def mapped_host_copy(pages: KVPages) -> KVPages:
+    """`pages` (specs) as a host copy: zeroed mapped pinned memory, each array viewed once as the device array
+    kernels take. A view made at each launch cost a prefill pass about 25 us an array (the view, then its
+    marshalling anew: `launch_kernel` marshals an array object once), 1 ms a chunk of the demo (BENCHMARKS.md)."""
+    return pages.allocate(lambda shape, dtype: mapped_device_view(mapped_filled(shape, dtype)))
+
+
 def host_arrays(pages: KVPages, host_pages: KVPages | None) -> tuple:
-    """The host copy's arrays as kernels take them (device views of mapped memory), or, with no host copy,
-    the pages' own arrays in their place (then never read: every page has a slot)."""
-    if host_pages is None:
-        return pages.arrays()
-    return tuple(mapped_device_view(a) for a in host_pages.arrays())
+    """The host copy's arrays (`mapped_host_copy`), or, with no host copy, the pages' own arrays in their place (then
+    never read: every page has a slot)."""
+    return pages.arrays() if host_pages is None else host_pages.arrays()
 
 
 def _tensor_arrays(ggml_type: T, n_slots: int, page_tokens: int, n_head_kv: int, head_dim: int):
