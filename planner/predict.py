@@ -12,8 +12,9 @@
   after every copy. Each batch's expert kernels take their share of the block's tiles (a small batch's grids
   leave SMs idle), plus the profile's `prefill_ring_batch`: what a batch adds beyond its tiles (BENCHMARKS.md,
   the ring's timeline). A chunk takes max(compute, streaming, issuing): they run on separate engines and the
-  host, which launches each kernel from Python (a node at the profile's `prefill_launch`, a batch's kernels,
-  copies and events at `kernel_launch`), so a shallow ring's many small batches cost launches; each chunk adds
+  host, which launches each kernel from Python (a node at the profile's `prefill_launch`, a batch's two
+  kernels at `kernel_launch`, its copies at `copy_call` and its four event calls at `event_call`), so a
+  shallow ring's many small batches cost launches; each chunk adds
   the profile's `prefill_host`: what the host takes that the GPU's work does not hide (inputs staged, logits
   and routing read back, the pass's first launches);
 - K/V ring: the last `resident` positions are in VRAM; attention over older ones streams them over the link;
@@ -48,6 +49,8 @@ CHUNK_SAMPLES = 8       # chunks priced per prompt; a longer prompt's chunks are
 
 
 COPIES_PER_RUN = 6       # a run of consecutive streamed experts: data and scales of gate, up and down
+BATCH_KERNELS = 2        # a prefill ring batch's expert kernels (gate/up, down)
+BATCH_EVENT_CALLS = 4    # its halves' events: the copy stream waits for free and records copied, compute the reverse
 # host calls a MoE block whose every expert is cached adds to its two kernels (runtime.engine._run_prefill):
 # its routing's copy back and that copy's event, its expert table's copy in
 CACHED_BLOCK_CALLS = 3
@@ -55,8 +58,8 @@ CACHED_BLOCK_CALLS = 3
 
 class ChunkStreaming(NamedTuple):
     """What a prefill chunk of some size costs in routed experts, whatever its context (`chunk_streaming`).
-    Host issue: one `kernel_launch` a call; a chunk's (every node's kernel and every batch's calls) overlaps
-    the GPU's work and binds only when it is the longest."""
+    Host issue: each call at the profile's cost of its kind (module doc); a chunk's (every node's kernel and
+    every batch's calls) overlaps the GPU's work and binds only when it is the longest."""
     expert_compute_s: object    # their arithmetic, the ring batches' launches included
     touched_read_s: float       # their weights read from VRAM
     streamed_bytes: object
@@ -297,14 +300,16 @@ class DeviceCost:
         # expert between two streamed ones splits a run)
         cached_share = np.minimum(1.0, np.asarray(cache_slots) / len(self.moe_blocks) / self.n_expert)
         batch_copies = COPIES_PER_RUN * (1 + (half - 1) * cached_share)
-        batch_calls = 2 + batch_copies + 4      # gate/up and down kernels, the copies, four event calls
+        # gate/up and down kernels, the copies, four event calls
+        batch_issue_s = (BATCH_KERNELS * g.kernel_launch_s + batch_copies * g.copy_call_s
+                         + BATCH_EVENT_CALLS * g.event_call_s)
         return ChunkStreaming(
             expert_compute, touched_bytes / g.memory_bandwidth_bytes_per_s, streamed_bytes, streamed_count,
             streaming_blocks * batches * batch_copies, stall_per_expert, streaming_blocks, per_block * copy,
-            per_block * per_expert_compute, batch_calls * g.kernel_launch_s,
+            per_block * per_expert_compute, batch_issue_s,
             cost.n_nodes * (g.kernels.prefill_launch.latency_s or g.kernel_launch_s)
-            + (streaming_blocks * batches * batch_calls
-               + (len(self.moe_blocks) - streaming_blocks) * CACHED_BLOCK_CALLS) * g.kernel_launch_s)
+            + streaming_blocks * batches * batch_issue_s
+            + (len(self.moe_blocks) - streaming_blocks) * CACHED_BLOCK_CALLS * g.kernel_launch_s)
 
     def _blocks_streaming(self, cache_slots):
         """How many MoE blocks still stream at least one expert."""

@@ -28,6 +28,8 @@ _GPU_FIELDS = {
     "copy_latency": (parse_seconds, "10 us"),
     "graph_node_overhead": (parse_seconds, "1 us"),
     "kernel_launch": (parse_seconds, "25 us"),
+    "copy_call": (parse_seconds, "kernel_launch"),
+    "event_call": (parse_seconds, "kernel_launch"),
     "l2": (parse_bytes, "0 B"),
 }
 _HOST_FIELDS = {
@@ -132,6 +134,8 @@ class GPU:
     copy_latency_s: float                 # fixed cost of one async copy before bytes flow
     graph_node_overhead_s: float          # one kernel node replayed from a CUDA graph
     kernel_launch_s: float                # host time of one kernel launch (or copy) issued from Python
+    copy_call_s: float                    # host time of one prefill ring copy (an expert matrix into its slot)
+    event_call_s: float                   # host time of one event record, or a stream's wait on one
     l2_bytes: int = 0                     # L2 cache: a model whose weights fit decodes from it (0: none counted)
     kernels: Kernels = Kernels()          # this project's kernels measured on this GPU (default: the roofline)
 
@@ -231,6 +235,7 @@ def _parse_gpu(doc, source: str, where: str) -> GPU:
                host_to_device_bytes_per_s=v["host_to_device"], device_to_host_bytes_per_s=v["device_to_host"],
                zero_copy_read_bytes_per_s=v["zero_copy_read"], copy_latency_s=v["copy_latency"],
                graph_node_overhead_s=v["graph_node_overhead"], kernel_launch_s=v["kernel_launch"],
+               copy_call_s=v["copy_call"], event_call_s=v["event_call"],
                l2_bytes=v["l2"], kernels=_parse_kernels(doc.get("kernels", {}), source, where + ".kernels"))
 
 

@@ -54,7 +54,7 @@ from planner.model import load_model
 from planner.profile import GPU, L2_FAMILIES, TILED_FAMILIES, WALK_FAMILIES, KernelFit, Kernels
 from planner.search import PAGE_TOKENS, solve
 from planner.workload import Workload
-from runtime.ceilings import time_s
+from runtime.ceilings import spin, time_s
 from runtime.synthetic import realistic_weights, reduced_card
 
 CALIBRATION_BLOCKS = 4     # their dense weights (~80 MB) overflow the 50 MB L2 of an H100/H200 between runs
@@ -85,18 +85,12 @@ class Sample(NamedTuple):
     context_tokens: int = 0         # the positions of K/V its pass's last row reads (a prefill attention walk)
 
 
-@cuda.jit
-def _spin(microseconds):
-    for _ in range(microseconds):
-        cuda.nanosleep(1000)
-
-
 def node_times_s(steps, stream, repeats: int, spin_us: int) -> np.ndarray:
     """[repeats, steps] seconds of each step, queued behind a `spin_us` spinning kernel and timed between events."""
     events = [cuda.event() for _ in range(len(steps) + 1)]
     times = np.empty((repeats, len(steps)))
     for r in range(repeats):
-        _spin[1, 1, stream](spin_us)
+        spin[1, 1, stream](spin_us)
         events[0].record(stream)
         for step, after in zip(steps, events[1:]):
             step.run(stream)
@@ -339,7 +333,7 @@ def issue_s(steps, stream, repeats: int = 3) -> float:
     GPU): the best of `repeats`."""
     best = np.inf
     for _ in range(repeats):
-        _spin[1, 1, stream](200000)
+        spin[1, 1, stream](200000)
         started = time.perf_counter()
         for step in steps:
             step.run(stream)

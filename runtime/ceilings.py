@@ -7,7 +7,8 @@
   pinned_copy_bytes_per_s(), zero_copy_read_bytes_per_s(): the host links, copied (either way) and read in
       place; copy_latency_s(): one small pinned copy's fixed cost;
   graph_seconds(): kernels timed as a replayed CUDA graph; graph_node_overhead_s(): one empty node's cost there;
-  kernel_launch_s(): host time to issue one kernel from Python (`launch_kernel`);
+  kernel_launch_s(): host time to issue one kernel from Python (`launch_kernel`); copy_call_s(), event_call_s():
+      host time of the prefill ring's other calls, an expert matrix's copy and an event's record or wait;
   fp32_peak_flops(): kernels of independent FMA chains in registers (2 FLOPs per FMA), the best shape;
   fp32_datasheet_flops(): SMs x 128 lanes x 2 x clock, what the datasheet's 67 TFLOP/s means.
 """
@@ -17,7 +18,7 @@ import time
 
 import numpy as np
 
-from codegen.lower.cuda import CapturedGraph, copy_rows, cuda, launch_kernel, mapped_filled
+from codegen.lower.cuda import CapturedGraph, copy_into_rows, copy_rows, cuda, launch_kernel, mapped_filled
 
 READ_BYTES = 4 << 30
 FMA_STEPS = 2048
@@ -167,6 +168,46 @@ def kernel_launch_s(launches: int = 2000) -> float:
     return seconds
 
 
+@cuda.jit
+def spin(microseconds):
+    """Holds the GPU for about `microseconds`: work queued behind it waits, and the host's calls never do."""
+    for _ in range(microseconds):
+        cuda.nanosleep(1000)
+
+
+def host_call_s(call, streams, calls: int = 400, repeats: int = 5) -> float:
+    """Host seconds of one `call(i)`, queued behind a spinning kernel on each of `streams` (the GPU never holds
+    the host up): the best of `repeats` runs of `calls`."""
+    best = np.inf
+    for _ in range(repeats):
+        for stream in streams:
+            spin[1, 1, stream](60000)
+        started = time.perf_counter()
+        for i in range(calls):
+            call(i)
+        best = min(best, (time.perf_counter() - started) / calls)
+        for stream in streams:
+            stream.synchronize()
+    return float(best)
+
+
+def copy_call_s(rows: int = 64, row_bytes: int = 4096) -> float:
+    """Host time of one prefill ring copy (`copy_into_rows`: an expert matrix's row from pinned memory into a
+    part of a slot's row, as `runtime.experts` streams them); a profile's `copy_call`."""
+    source = cuda.pinned_array((rows, row_bytes), np.uint8)
+    slots = cuda.device_array((rows, 2 * row_bytes), np.uint8)
+    stream = cuda.stream()
+    return host_call_s(lambda i: copy_into_rows(slots, i % rows, row_bytes, source, i % rows, 1, stream), [stream])
+
+
+def event_call_s() -> float:
+    """Host time of an event call of the prefill ring (a record on one stream, or another stream's wait on it:
+    the mean of the two); a profile's `event_call`."""
+    copies, compute, event = cuda.stream(), cuda.stream(), cuda.event()
+    return (host_call_s(lambda i: event.record(copies), [copies, compute])
+            + host_call_s(lambda i: event.wait(compute), [copies, compute])) / 2
+
+
 def fp32_peak_flops() -> float:
     """The best of a few shapes (chains per thread x threads per block): the highest FMA rate this GPU gives
     numba-compiled code."""
@@ -193,7 +234,8 @@ def main():
           f"{pinned_copy_bytes_per_s(to_device=False) / 1e9:.1f} GB/s; zero-copy read "
           f"{zero_copy_read_bytes_per_s() / 1e9:.1f} GB/s; a 4 KiB copy {copy_latency_s() * 1e6:.1f} us")
     print(f"graph node: {graph_node_overhead_s() * 1e6:.2f} us")
-    print(f"kernel launch from Python: {kernel_launch_s() * 1e6:.1f} us")
+    print(f"kernel launch from Python: {kernel_launch_s() * 1e6:.1f} us; a ring copy {copy_call_s() * 1e6:.1f} us, "
+          f"an event call {event_call_s() * 1e6:.1f} us")
     print(f"FP32 peak (FMA):       {fp32_peak_flops() / 1e12:.1f} TFLOP/s measured, "
           f"{fp32_datasheet_flops() / 1e12:.1f} TFLOP/s datasheet (SMs x 128 x 2 x max SM clock)")
 

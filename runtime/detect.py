@@ -50,7 +50,9 @@ def detect(path: Path, name: str | None = None, calibrate: bool = True, samples:
             ("zero_copy_read", "a kernel reading mapped host memory", ceilings.zero_copy_read_bytes_per_s, "GB/s", 1e9),
             ("copy_latency", "a 4 KiB pinned copy", ceilings.copy_latency_s, "us", 1e-6),
             ("graph_node_overhead", "a CUDA graph's empty node", ceilings.graph_node_overhead_s, "us", 1e-6),
-            ("kernel_launch", "a kernel launched from Python", ceilings.kernel_launch_s, "us", 1e-6)):
+            ("kernel_launch", "a kernel launched from Python", ceilings.kernel_launch_s, "us", 1e-6),
+            ("copy_call", "a prefill ring copy issued from Python", ceilings.copy_call_s, "us", 1e-6),
+            ("event_call", "an event call issued from Python", ceilings.event_call_s, "us", 1e-6)):
         value = measure() / scale
         figures[field] = f"{value:.4g} {unit}"
         note(f"  {what}: {figures[field]}")

@@ -155,6 +155,27 @@ def test_each_streamed_copy_pays_the_copy_latency(qwen):
     assert times["slow", n_cache] == times["base", n_cache]
 
 
+def test_a_ring_batch_issues_its_kernels_copies_and_events_each_at_its_own_cost(qwen):
+    """A streaming block's batch costs the host its two expert kernels at `kernel_launch`, each copy (data and
+    scales of three matrices for a run of streamed experts) at `copy_call` and four event calls at
+    `event_call`: making one kind dearer adds that many calls to every batch's issue, and to the chunk's launch
+    bound once for each of its batches."""
+    from planner.predict import BATCH_EVENT_CALLS, BATCH_KERNELS, COPIES_PER_RUN
+    base = load_profile("h200-141g").gpus[0]
+    extra_s = 7e-6
+    issue, launch = {}, {}
+    for kind in ("base", "kernel_launch_s", "copy_call_s", "event_call_s"):
+        gpu = base if kind == "base" else dataclasses.replace(base, **{kind: getattr(base, kind) + extra_s})
+        streaming = _streaming_device(qwen, gpu).chunk_streaming(2048, 0, 8)
+        issue[kind], launch[kind] = float(streaming.issue_s), float(streaming.launch_s)
+        batches = float(streaming.copies) / COPIES_PER_RUN      # no expert cached: a batch is one run of ids
+    for kind, calls in (("kernel_launch_s", BATCH_KERNELS), ("copy_call_s", COPIES_PER_RUN),
+                        ("event_call_s", BATCH_EVENT_CALLS)):
+        assert issue[kind] - issue["base"] == pytest.approx(calls * extra_s, rel=1e-9)
+        if kind != "kernel_launch_s":       # the nodes launch at prefill_launch, a measured figure of its own
+            assert launch[kind] - launch["base"] == pytest.approx(batches * calls * extra_s, rel=1e-9)
+
+
 def test_a_chunk_adds_its_host_time_and_launches_its_nodes_at_the_measured_rate(qwen):
     """Each chunk adds the profile's `prefill_host` whatever binds it; the launch bound takes each node at
     `prefill_launch` and a MoE block whose every expert is cached at CACHED_BLOCK_CALLS `kernel_launch`s (its

@@ -104,6 +104,16 @@ def test_defaults(tmp_path):
     assert gpu.kernel_launch_s == pytest.approx(25e-6)
 
 
+def test_the_ring_calls_default_to_kernel_launch_and_read_back(tmp_path):
+    """A profile without `copy_call` and `event_call` prices them as kernel launches (the cost model before
+    detect measured them); given, each reads back as written."""
+    gpu = load_profile(write(tmp_path, variant(kernel_launch="17 us"))).gpus[0]
+    assert gpu.copy_call_s == gpu.event_call_s == pytest.approx(17e-6)
+    gpu = load_profile(write(tmp_path, variant(copy_call="6.5 us", event_call="2.25 us"))).gpus[0]
+    assert (gpu.copy_call_s, gpu.event_call_s) == (pytest.approx(6.5e-6), pytest.approx(2.25e-6))
+    assert "copy_call" in refused(write(tmp_path, variant(copy_call="fast")))
+
+
 def test_multi_gpu_profile(tmp_path):
     doc = copy.deepcopy(DOC)
     second = dict(GPU, name="Second GPU", vram="24 GiB", reserved="700 MiB")
