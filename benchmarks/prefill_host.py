@@ -17,7 +17,9 @@ and 768, one prompt of one chunk is read after two that warmed it, and split int
 holding fraction F of the resident plan's bytes, solved for each prompt length as validate solves them, with
 the default skew, or `--trace`'s routing: a validate run's RUN.trace.json, to rebuild that run's plans): a row per
 budget and prompt, with the plan's knobs and its predicted prefill time, so a
-validated row that misses can be taken apart.
+validated row that misses can be taken apart. Its prompts are random ids, each request making one token;
+`--text` reads validate's instead (held-out Python source, each request then making NEW_TOKENS): run 22
+measured the 50% budget's 512-token row at 4.3 ms with random ids and 6.5 ms under validate.
 
 `--host-profile N` prints the top N functions by own time of one more request (cProfile).
 """
@@ -34,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.e2e import predicted, print_table
-from benchmarks.validate import DEMO_CONTEXT, DEMO_PROMPTS, demo_budgets
+from benchmarks.validate import DEMO_CONTEXT, DEMO_PROMPTS, demo_budgets, text_prompts
 from codegen.lower.cuda import cuda
 from planner.profile import load_profile
 from planner.search import solve
@@ -77,11 +79,11 @@ class HostClock:
                     self.passes.append((before, after))
         return wrapper
 
-    def request(self, prompt) -> dict:
+    def request(self, prompt, new_tokens: int = 1) -> dict:
         """One request's wall, pass span and host phases, in ms."""
         self.on, self.passes = True, []
         self.totals = {name: 0.0 for name in ENGINE_PHASES + STORE_PHASES + ("claim", "synchronize")}
-        wall_s = self.engine.generate(prompt, 1).prefill_s
+        wall_s = self.engine.generate(prompt, new_tokens).prefill_s
         self.on = False
         span_ms = sum(cuda.event_elapsed_time(a, b) for a, b in self.passes)
         row = {"wall ms": wall_s * 1e3, "pass span ms": span_ms}
@@ -92,16 +94,18 @@ class HostClock:
         return row
 
 
-def measure(engine, gpu, tokens: list, host_profile: int, label: dict | None = None) -> list:
-    """A row a prompt length: warm it twice, then read one more with the host's clocks on; `label`'s columns
-    lead each row."""
+def measure(engine, gpu, tokens: list, host_profile: int, label: dict | None = None, prompt=None,
+            new_tokens: int = 1) -> list:
+    """A row a prompt length: warm it twice, then read one more with the host's clocks on, each request
+    making `new_tokens`; `label`'s columns lead each row. prompt(n): n token ids (default random ids)."""
     rng = np.random.default_rng(0)
+    prompt = prompt or (lambda n: rng.integers(0, engine.hp.n_vocab, size=n).tolist())
     clock = HostClock(engine)
     rows = []
     for n in tokens:
         for _ in range(2):
-            engine.generate(rng.integers(0, engine.hp.n_vocab, size=n).tolist(), 1)
-        row = {**(label or {}), "tokens": n, **clock.request(rng.integers(0, engine.hp.n_vocab, size=n).tolist())}
+            engine.generate(prompt(n), new_tokens)
+        row = {**(label or {}), "tokens": n, **clock.request(prompt(n), new_tokens)}
         # a prompt longer than the plan's chunk reads in chunks: a full chunk's pass is timed, at the prompt's context
         nodes = timed_nodes(engine, gpu, "prefill", min(n, engine.chunk_tokens), n)
         row["nodes ms"] = sum(sample.measured_s for sample in nodes) * 1e3
@@ -117,9 +121,12 @@ def measure(engine, gpu, tokens: list, host_profile: int, label: dict | None = N
     return rows
 
 
-def demo_budget_rows(profile: Path, gpu, fractions: list, tokens: list, host_profile: int, histogram=None) -> list:
+def demo_budget_rows(profile: Path, gpu, fractions: list, tokens: list, host_profile: int, histogram=None,
+                     text: bool = False) -> list:
     """`measure`'s rows for the demo under validate's budgets of `fractions`, a plan per budget and prompt
-    (planned from `histogram`, a trace's routing counts, when given)."""
+    (planned from `histogram`, a trace's routing counts, when given); with `text`, validate's prompts (held-out
+    Python source) and its requests' NEW_TOKENS, not random ids and one token."""
+    prompt = text_prompts(np.random.default_rng(0)) if text else None
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for label, budget in demo_budgets(profile, Path(folder), fractions):
@@ -131,7 +138,8 @@ def demo_budget_rows(profile: Path, gpu, fractions: list, tokens: list, host_pro
                 with Engine(plan, DEMO_PATH, progress=False) as engine:
                     rows += measure(engine, gpu, [n], host_profile, {
                         "budget": label, "cache": knobs["expert_cache_slots"][0], "ring": knobs["prefill_ring_slots"],
-                        "chunk": knobs["chunk_tokens"], "kv pages": knobs["kv_pages"], "predicted ms": predicted_ms})
+                        "chunk": knobs["chunk_tokens"], "kv pages": knobs["kv_pages"], "predicted ms": predicted_ms},
+                        prompt, NEW_TOKENS if text else 1)
     return rows
 
 
@@ -142,6 +150,8 @@ def main():
     parser.add_argument("--demo-fractions", type=float, nargs="+", metavar="F",
                         help="the demo under validate's budgets of these fractions (e.g. 0.5 0.6 0.7 0.8)")
     parser.add_argument("--trace", help="with --demo-fractions: plan from this validate run's RUN.trace.json")
+    parser.add_argument("--text", action="store_true",
+                        help="with --demo-fractions: validate's text prompts and new tokens, not random ids")
     args = parser.parse_args()
     profile = Path(args.profile)
     gpu = load_profile(profile).gpus[0]
@@ -149,7 +159,7 @@ def main():
         histogram = (tuple(map(tuple, json.loads(Path(args.trace).read_text())["expert_popularity"]["histogram"]))
                      if args.trace else None)
         print_table(demo_budget_rows(profile, gpu, args.demo_fractions, list(DEMO_PROMPTS), args.host_profile,
-                                     histogram))
+                                     histogram, args.text))
         return
     with tempfile.TemporaryDirectory() as folder:
         card, plan = calibration_plan(profile, Path(folder))
