@@ -300,7 +300,6 @@ class DeviceCost:
         # expert between two streamed ones splits a run)
         cached_share = np.minimum(1.0, np.asarray(cache_slots) / len(self.moe_blocks) / self.n_expert)
         batch_copies = COPIES_PER_RUN * (1 + (half - 1) * cached_share)
-        # gate/up and down kernels, the copies, four event calls
         batch_issue_s = (BATCH_KERNELS * g.kernel_launch_s + batch_copies * g.copy_call_s
                          + BATCH_EVENT_CALLS * g.event_call_s)
         return ChunkStreaming(

@@ -5,8 +5,8 @@ the GIL, until all wait at syncthreads; every barrier then wakes each thread thr
 cores most of a simulated test's time went to starting, waking and switching threads, not to computing). Here a
 block's threads are greenlets on the launching thread: each runs until it reaches syncthreads or returns, then
 hands over to the next, in thread order; once every thread still running waits at the barrier, they go on (a
-thread that has returned no longer counts, as in the simulator). A switch costs about a microsecond and no
-system call, and a kernel with no barrier runs its threads one after another. Blocks run one at a time, in grid
+thread that has returned no longer counts, as in the simulator). A switch is no system call, and a kernel with
+no barrier runs its threads one after another. Blocks run one at a time, in grid
 order, so kernels compute exactly what the simulator computes.
 
 greenlet is a test dependency only: Python has no other way to suspend a function in the middle of its frame

@@ -167,8 +167,9 @@ def aligned_kernel_arrays(pages: KVPages, host_pages: KVPages | None, reader: st
 
 def mapped_host_copy(pages: KVPages) -> KVPages:
     """`pages` (specs) as a host copy: zeroed mapped pinned memory, each array viewed once as the device array
-    kernels take. A view made at each launch cost a prefill pass about 25 us an array (the view, then its
-    marshalling anew: `launch_kernel` marshals an array object once), 1 ms a chunk of the demo (BENCHMARKS.md)."""
+    kernels take. Views made at each launch (4 arrays for each K/V store and attention node, each then marshalled
+    anew: `launch_kernel` marshals an array object once) cost the demo about 1 ms a chunk (BENCHMARKS.md, runs
+    21-22)."""
     return pages.allocate(lambda shape, dtype: mapped_device_view(mapped_filled(shape, dtype)))
 
 
