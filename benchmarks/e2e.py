@@ -149,7 +149,7 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
     prefill_tok_s, decode_tok_s = prompt_tokens / prefill_s, 1 / step_s
     return {
         "plan": name, "device GiB": plan.device_bytes(0) / 2 ** 30,
-        "allocated - plan MiB": (allocated - plan.device_bytes(0)) / 2 ** 20, "start s": start_s,
+        "allocated - plan MiB": (allocated - plan.allocated_bytes(0)) / 2 ** 20, "start s": start_s,
         "cache slots": plan.knobs["expert_cache_slots"][0], "lent slots": stats["expert_slots_lent"],
         "ring slots": plan.knobs["prefill_ring_slots"],
         "chunk": plan.knobs["chunk_tokens"], "kv pages": plan.knobs["kv_pages"],

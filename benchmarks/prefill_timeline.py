@@ -2,6 +2,11 @@
 
     NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/prefill_timeline.py --profile detected.yaml [--trace t.json]
         [--budgets 16 12 8] [--prompt-tokens 2048] [--layers 6] [--host-profile N]
+    NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/prefill_timeline.py --profile detected.yaml --trace demo.trace.json
+        --demo-fractions 0.5 0.6 --prompt-tokens 256
+
+`--demo-fractions` times the trained demo model instead, under validate's demo budgets of those fractions of
+its resident bytes, on validate's text prompts (held-out Python source).
 
 For each budget (the detected profile with that card's VRAM, scaled to --layers of 48 blocks as
 `benchmarks/validate.py` does; --trace plans from a traced histogram, so a validate run's plans are rebuilt
@@ -33,12 +38,13 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.e2e import built_weights, measure_links, nearest, print_table, random_prompts
-from benchmarks.validate import budget_profile
+from benchmarks.validate import DEMO_CONTEXT, budget_profile, demo_budgets, text_prompts
 from codegen.lower.cuda import cuda
 from planner.model import load_model
 from planner.search import solve
 from planner.workload import Workload
 from runtime.engine import Engine
+from tools.demo import DEMO_PATH
 
 CONTEXT = 8192
 
@@ -120,6 +126,8 @@ def main():
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 12, 8], help="GB")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--demo-fractions", type=float, nargs="+", metavar="F",
+                        help="the demo model under validate's budgets of these fractions, not the Qwen shape")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N")
     args = parser.parse_args()
     ceilings, _ = measure_links()
@@ -129,12 +137,17 @@ def main():
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        card, tensors = built_weights(args.layers, folder)
-        prompt = random_prompts(rng, load_model(card).hparams.n_vocab)
-        for gb in args.budgets:
-            profile = budget_profile(Path(args.profile), gb, args.layers, folder)
+        if args.demo_fractions:
+            card, tensors, context, prompt = DEMO_PATH, None, DEMO_CONTEXT, text_prompts(rng)
+            budgets = demo_budgets(Path(args.profile), folder, args.demo_fractions)
+        else:
+            card, tensors = built_weights(args.layers, folder)
+            context, prompt = CONTEXT, random_prompts(rng, load_model(card).hparams.n_vocab)
+            budgets = [(f"{gb} GB", budget_profile(Path(args.profile), gb, args.layers, folder))
+                       for gb in args.budgets]
+        for label, profile in budgets:
             workload = Workload(prompts=((args.prompt_tokens, 1.0),), decode_tokens=32, histogram=histogram)
-            plan = solve(profile, card, context=CONTEXT, kv="f16", workload=workload, mtp=False)
+            plan = solve(profile, card, context=context, kv="f16", workload=workload, mtp=False)
             predicted = nearest(plan.predictions["prefill"], "prompt_tokens", args.prompt_tokens)["tok_s"]
             with Engine(plan, card, tensors=tensors, progress=False) as engine:
                 timeline = RingTimeline(engine)
@@ -153,7 +166,7 @@ def main():
                 rows = timeline.rows()
             cuda.current_context().deallocations.clear()
             knobs = plan.knobs
-            print(f"\n{gb} GB: {knobs['expert_cache_slots'][0]} cache slots, {knobs['prefill_ring_slots']} ring "
+            print(f"\n{label}: {knobs['expert_cache_slots'][0]} cache slots, {knobs['prefill_ring_slots']} ring "
                   f"slots, chunk {knobs['chunk_tokens']}; a {args.prompt_tokens}-token prompt in {plain * 1e3:.1f} ms "
                   f"({args.prompt_tokens / plain:.0f} tok/s, predicted {predicted:.0f}), {streamed / 1e9:.2f} GB "
                   f"streamed ({streamed / ceilings['pinned'] * 1e3:.1f} ms at the measured pinned bandwidth); "

@@ -8,7 +8,8 @@ prompt lengths, on this machine's GPU.
 The profile is this machine's, as `stratum profile --detect` wrote it (its links and kernel calibration); each
 budget is that profile with less VRAM, scaled by layers / 48 as `benchmarks/e2e.py` does, so a budget holds
 the same share of the model as the full card would. "allocated - plan" is what the engine's start took from
-the device beyond the plan's bytes (the CUDA context is taken before it: 0 means exactly the plan).
+the device beyond the plan's bytes, its arena and the page tables that map its pinned host copies (the CUDA
+context is taken before it: 0 means exactly the plan).
 
 First a resident engine serves a set of prompts and traces their routing (`Engine.trace`); every plan is then
 solved from that trace's histogram (its hit-rate curve, and the experts its cache starts with) and measured on

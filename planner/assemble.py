@@ -8,10 +8,10 @@ import numpy as np
 
 from planner import __version__
 from planner.kv_lending import needed_pages
-from planner.layout import REGION_PURPOSE
+from planner.layout import REGION_PURPOSE, host_page_table_bytes
 from planner.plan import Plan
 from planner.search import (MIN_RING_SLOTS, Knobs, Problem, chunk_candidates, decode_per_draft_depth, feasible_cache,
-                           host_bytes, prefill_s, regions, request_s)
+                           pinned_host_bytes, prefill_s, regions, request_s)
 from planner.units import format_bytes, format_rate
 
 STANDARD_PROMPT_TOKENS = (512, 4096, 16384)
@@ -21,14 +21,16 @@ STANDARD_DEPTHS = (1024, 4096, 16384, 32768, 131072)
 def assemble(problem: Problem, knobs: Knobs) -> Plan:
     model, profile, wl = problem.model, problem.profile, problem.workload
     layout = regions(problem, knobs)
+    pinned = pinned_host_bytes(problem, knobs)
     devices = []
     for i, share in enumerate(problem.shares):
         own = [r for r in layout if r.device == i]
-        used = max(r.end for r in own)
+        page_tables = int(host_page_table_bytes(share.gpu, sum(pinned[i].values())))
+        used = max(r.end for r in own) + page_tables
         devices.append({
             "index": i, "gpu": share.gpu.name, "vram_bytes": share.gpu.vram_bytes,
             "reserved_bytes": share.gpu.reserved_bytes, "usable_bytes": share.gpu.usable_bytes,
-            "used_bytes": used, "free_bytes": share.gpu.usable_bytes - used,
+            "host_page_tables_bytes": page_tables, "used_bytes": used, "free_bytes": share.gpu.usable_bytes - used,
             "blocks": [share.blocks[0], share.blocks[-1] + 1], "holds_drafter": share.last and problem.mtp,
             "regions": [{"name": r.name, "offset": r.offset, "bytes": r.bytes, "purpose": REGION_PURPOSE[r.name]}
                         for r in own]})
@@ -51,7 +53,7 @@ def assemble(problem: Problem, knobs: Knobs) -> Plan:
                                "draft_acceptance": wl.draft_acceptance, "drafter_window": wl.drafter_window,
                                "expert_popularity": {"skew": wl.skew} if wl.histogram is None else
                                {"histogram": np.asarray(wl.histogram).tolist()}},
-                  "host_pinned_bytes": host_bytes(problem)},
+                  "host_pinned_bytes": {part: sum(device[part] for device in pinned) for part in pinned[0]}},
         devices=devices, knobs=plan_knobs, predictions=predictions(problem, knobs),
         binding=binding(problem, knobs, devices), explanations=explanations(problem, knobs))
 

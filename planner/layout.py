@@ -6,6 +6,8 @@ region's bytes are exactly what the runtime will place there: the plan is the tr
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from codegen.memory import ARENA_ALIGNMENT_BYTES
 from planner.architecture import tensor_layer
 
@@ -97,6 +99,18 @@ def fixed_region_sizes(model, blocks, first: bool, last: bool, mtp: bool, full_p
         sizes["drafter_experts"] = drafter_experts * model.slot_layout.slot_bytes      # a slot each
     return sizes
 
+
+HOST_PAGE_BYTES = 4096
+
+
+def host_page_table_bytes(gpu, pinned_bytes):
+    """Device memory the driver takes beside the plan's arena to map `pinned_bytes` of pinned host memory into
+    the GPU's address space (works on numpy arrays): the profile's entry bytes per 4 KiB host page. Run 25 on
+    the H200 (benchmarks/results/mapped-probe-2026-12-03-run25.py), numba's mapped and plain pinned arrays
+    alike: 1 GiB took 2 MiB, 4 GiB 8 MiB (in one allocation or 42), 16 GiB 32 MiB. The driver takes them in
+    2 MiB pieces, the first with room already (256 MiB took none), so it takes up to a piece more or less."""
+    pages = -(-np.asarray(pinned_bytes, dtype=np.int64) // HOST_PAGE_BYTES)
+    return pages * gpu.host_page_table_entry_bytes
 
 def kv_ring_bytes(pages: int, page_tokens: int, kv_bytes_per_token: int, n_blocks: int) -> int:
     return pages * page_tokens * kv_bytes_per_token * n_blocks

@@ -15,7 +15,7 @@ from planner.document import read_document
 from planner.errors import StratumError
 from planner.layout import REGION_ORDER, Region
 
-SCHEMA = "stratum-plan/2"   # 2: kv_ring after the expert regions (planner.kv_lending)
+SCHEMA = "stratum-plan/3"   # 2: kv_ring after the expert regions (planner.kv_lending); 3: host page tables
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Plan:
     model: dict             # name, fingerprint, summary (see Model.summary)
     profile: dict           # name, fingerprint
     settings: dict          # context_tokens, kv, mtp, page_tokens, workload
-    devices: list           # per GPU: index, gpu, vram/reserved/usable/used/free bytes, blocks, regions
+    devices: list           # per GPU: index, gpu, vram/reserved/usable/host page tables/used/free bytes, blocks, regions
     knobs: dict
     predictions: dict       # prefill per prompt length, decode per depth, request seconds
     binding: list           # the constraints that bind, in words
@@ -35,8 +35,13 @@ class Plan:
         return [Region(r["name"], d["index"], r["offset"], r["bytes"]) for d in self.devices for r in d["regions"]]
 
     def device_bytes(self, device: int) -> int:
-        """What the runtime allocates on a GPU: from the first region's start to the last one's end."""
+        """What the runtime allocates on a GPU, its one arena: from the first region's start to the last one's end."""
         return max((r.end for r in self.regions if r.device == device), default=0)
+
+    def allocated_bytes(self, device: int) -> int:
+        """What the plan takes from a GPU's free memory: its arena, and the page tables the driver builds to map
+        the pinned host copies (planner.layout.host_page_table_bytes)."""
+        return self.device_bytes(device) + self.devices[device]["host_page_tables_bytes"]
 
     def to_dict(self) -> dict:
         """A deep copy: editing it never edits the plan."""
@@ -108,7 +113,7 @@ def parse_plan(document, source: str = "plan") -> Plan:
 def _check_device(device, source: str, where: str):
     if not isinstance(device, dict):
         raise StratumError("expected a mapping", source=source, field=where)
-    for key in ("index", "usable_bytes", "regions"):
+    for key in ("index", "usable_bytes", "host_page_tables_bytes", "regions"):
         if key not in device:
             raise StratumError("missing", source=source, field=f"{where}.{key}")
     end = 0
@@ -123,6 +128,9 @@ def _check_device(device, source: str, where: str):
             raise StratumError(f"overlaps the region before it (starts at {offset}, previous ends at {end})",
                                source=source, field=at)
         end = offset + size
-    if end > device["usable_bytes"]:
-        raise StratumError(f"regions end at {end} bytes, past the {device['usable_bytes']} usable",
-                           source=source, field=where)
+    page_tables = device["host_page_tables_bytes"]
+    if not isinstance(page_tables, int) or isinstance(page_tables, bool) or page_tables < 0:
+        raise StratumError("must be a non-negative integer", source=source, field=f"{where}.host_page_tables_bytes")
+    if end + page_tables > device["usable_bytes"]:
+        raise StratumError(f"regions end at {end} bytes and the host page tables take {page_tables}, past the "
+                           f"{device['usable_bytes']} usable", source=source, field=where)

@@ -31,6 +31,7 @@ _GPU_FIELDS = {
     "copy_call": (parse_seconds, "kernel_launch"),
     "event_call": (parse_seconds, "kernel_launch"),
     "l2": (parse_bytes, "0 B"),
+    "host_page_table_entry": (parse_bytes, "8 B"),
 }
 _HOST_FIELDS = {
     "ram": (parse_bytes, None),
@@ -137,6 +138,7 @@ class GPU:
     copy_call_s: float                    # host time of one prefill ring copy (an expert matrix into its slot)
     event_call_s: float                   # host time of one event record, or a stream's wait on one
     l2_bytes: int = 0                     # L2 cache: a model whose weights fit decodes from it (0: none counted)
+    host_page_table_entry_bytes: int = 8  # the driver's page tables mapping pinned host memory, per 4 KiB page
     kernels: Kernels = Kernels()          # this project's kernels measured on this GPU (default: the roofline)
 
     @property
@@ -236,7 +238,8 @@ def _parse_gpu(doc, source: str, where: str) -> GPU:
                zero_copy_read_bytes_per_s=v["zero_copy_read"], copy_latency_s=v["copy_latency"],
                graph_node_overhead_s=v["graph_node_overhead"], kernel_launch_s=v["kernel_launch"],
                copy_call_s=v["copy_call"], event_call_s=v["event_call"],
-               l2_bytes=v["l2"], kernels=_parse_kernels(doc.get("kernels", {}), source, where + ".kernels"))
+               l2_bytes=v["l2"], host_page_table_entry_bytes=v["host_page_table_entry"],
+               kernels=_parse_kernels(doc.get("kernels", {}), source, where + ".kernels"))
 
 
 def _parse_kernels(doc, source: str, where: str) -> Kernels:

@@ -15,18 +15,20 @@ from planner.units import format_bytes
 BAR_WIDTH = 72
 TEXT_WIDTH = 100
 
-# One symbol per region, plus free and reserved: first letters where they are unique, case marking the
+# One symbol per region, plus the host page tables, free and reserved: first letters where they are unique, case marking the
 # drafter's own regions, so a bar reads without its legend once the letters are familiar.
 SYMBOL = {"dense": "D", "drafter_dense": "d", "drafter_experts": "e", "kv_ring": "K", "drafter_kv": "k",
-          "expert_cache": "E", "prefill_ring": "P", "arena": "A", "tables": "T", "free": ".",
-          "reserved": "#"}
+          "expert_cache": "E", "prefill_ring": "P", "arena": "A", "tables": "T", "host_page_tables": "h",
+          "free": ".", "reserved": "#"}
 ANSI = {"dense": "97;44", "drafter_dense": "97;45", "drafter_experts": "30;105", "kv_ring": "30;42",
         "drafter_kv": "30;102", "expert_cache": "30;43", "prefill_ring": "30;46", "arena": "97;41",
-        "tables": "30;103", "free": "30;47", "reserved": "97;100"}
+        "tables": "30;103", "host_page_tables": "30;101", "free": "30;47", "reserved": "97;100"}
 COLOR = {"dense": "#4e79a7", "drafter_dense": "#b07aa1", "drafter_experts": "#d4a6c8", "kv_ring": "#59a14f",
          "drafter_kv": "#8cd17d", "expert_cache": "#f28e2b", "prefill_ring": "#76b7b2", "arena": "#e15759",
-         "tables": "#edc948", "reserved": "#9d9d9d"}
-EXTRA_PURPOSE = {"free": "usable VRAM no region takes", "reserved": "held by the driver, the CUDA context and "
+         "tables": "#edc948", "host_page_tables": "#ff9d9a", "reserved": "#9d9d9d"}
+EXTRA = ("host_page_tables", "free", "reserved")      # after the regions, in bar order
+EXTRA_PURPOSE = {"host_page_tables": "the driver's page tables mapping the pinned host copies (beside the arena)",
+                 "free": "usable VRAM no region takes", "reserved": "held by the driver, the CUDA context and "
                  "the display: never given to the plan"}
 
 
@@ -107,10 +109,10 @@ def _gpu_line(device: dict) -> str:
 # --- show ------------------------------------------------------------------------------------------
 
 def _segments(device: dict) -> list[tuple[str, int]]:
-    """The device's VRAM in bar order: its regions by offset, then what is free, then the reserve."""
+    """The device's VRAM in bar order: its regions by offset, then the host page tables, what is free, and the
+    reserve."""
     regions = sorted(device["regions"], key=lambda r: r["offset"])
-    return ([(r["name"], r["bytes"]) for r in regions]
-            + [("free", device["free_bytes"]), ("reserved", device["reserved_bytes"])])
+    return [(r["name"], r["bytes"]) for r in regions] + [(name, device[f"{name}_bytes"]) for name in EXTRA]
 
 
 def _apportion(sizes: list[int], width: int) -> list[int]:
@@ -144,8 +146,8 @@ def _device_section(device: dict, color: bool) -> list[str]:
     table = _table(["region", "offset", "size", "bytes", "of usable", "purpose"], rows, right={1, 2, 3, 4})
     return ([_gpu_line(device)]
             + _indent(table)
-            + _indent([f"reserved {_bytes(device['reserved_bytes'])}; usable {_bytes(usable)}; "
-                       f"free {_bytes(device['free_bytes'])}"])
+            + _indent([f"reserved {_bytes(device['reserved_bytes'])}; usable {_bytes(usable)}; host page tables "
+                       f"{_bytes(device['host_page_tables_bytes'])}; free {_bytes(device['free_bytes'])}"])
             + _indent(_bar(device, color)))
 
 
@@ -217,7 +219,8 @@ def _label(x: float, y: float, width: float, name: str, size: int) -> list[str]:
 
 
 def _band(device: dict, y: int, scale: float) -> list[str]:
-    """One GPU as a band: regions at their offsets, then the free part, then the reserve, all to scale."""
+    """One GPU as a band: regions at their offsets, then the host page tables, the free part and the reserve,
+    all to scale."""
     index = device["index"]
     parts = [f"<text x=\"{MARGIN}\" y=\"{y - 8}\" font-size=\"12\" font-weight=\"bold\">"
              f"{escape(_gpu_line(device))}</text>"]
@@ -227,9 +230,13 @@ def _band(device: dict, y: int, scale: float) -> list[str]:
         parts.append(_rect(x, y, width, r["name"], "region", title, COLOR[r["name"]],
                            data_device=index, data_bytes=r["bytes"]))
         parts += _label(x, y, width, r["name"], r["bytes"])
-    extras = [("free", device["used_bytes"], device["free_bytes"], "url(#free)"),
+    page_tables = device["host_page_tables_bytes"]
+    extras = [("host_page_tables", device["used_bytes"] - page_tables, page_tables, COLOR["host_page_tables"]),
+              ("free", device["used_bytes"], device["free_bytes"], "url(#free)"),
               ("reserved", device["usable_bytes"], device["reserved_bytes"], COLOR["reserved"])]
     for name, start, size, fill in extras:
+        if name == "host_page_tables" and not size:
+            continue
         x, width = MARGIN + start * scale, size * scale
         parts.append(_rect(x, y, width, name, name, f"GPU {index} {name}: {_bytes(size)}", fill,
                            data_device=index, data_bytes=size))
@@ -244,9 +251,10 @@ def _legend_sizes(plan: Plan) -> dict[str, list[str]]:
         prefix = f"GPU {device['index']} " if len(plan.devices) > 1 else ""
         for r in device["regions"]:
             sizes.setdefault(r["name"], []).append(prefix + format_bytes(r["bytes"]))
-        for name in ("free", "reserved"):
-            sizes.setdefault(name, []).append(prefix + format_bytes(device[f"{name}_bytes"]))
-    order = REGION_ORDER + ("free", "reserved")
+        for name in EXTRA:
+            if device[f"{name}_bytes"] or name != "host_page_tables":
+                sizes.setdefault(name, []).append(prefix + format_bytes(device[f"{name}_bytes"]))
+    order = REGION_ORDER + EXTRA
     return {name: sizes[name] for name in order if name in sizes}
 
 
@@ -354,7 +362,8 @@ def _region_change(name: str, x: dict | None, y: dict | None) -> str | None:
     return None
 
 
-_DEVICE_FACTS = ("gpu", "vram_bytes", "reserved_bytes", "usable_bytes", "free_bytes", "blocks", "holds_drafter")
+_DEVICE_FACTS = ("gpu", "vram_bytes", "reserved_bytes", "usable_bytes", "host_page_tables_bytes", "free_bytes", "blocks",
+                 "holds_drafter")
 
 
 def _device_facts(device: dict) -> dict:

@@ -18,7 +18,8 @@ from codegen.memory import plan_arena
 from planner.errors import DoesNotFit, StratumError
 from planner.kv import KVType, parse_kv_type
 from planner.kv_lending import lent_slot_count, page_parts
-from planner.layout import aligned, carve, fixed_region_sizes, kv_ring_bytes
+from planner.architecture import tensor_layer
+from planner.layout import aligned, carve, fixed_region_sizes, host_page_table_bytes, kv_ring_bytes
 from planner.model import Model, load_model
 from planner.plan import Plan
 from planner.predict import MAX_DRAFT_DEPTH, DeviceCost, DeviceShare
@@ -47,6 +48,7 @@ class Problem:
     shares: list            # DeviceShare per GPU
     costs: list             # DeviceCost per GPU
     fixed_sizes: list       # per GPU: the regions no knob changes (layout.fixed_region_sizes)
+    expert_host_bytes: list     # per GPU: the pinned host copy of its blocks' routed experts
     arenas: dict = field(default_factory=dict)     # chunk tokens -> arena bytes, memoised
     pass_arenas: dict = field(default_factory=dict)    # (pass kind, tokens) -> its arena bytes, memoised
     lent: dict = field(default_factory=dict)       # (GPU, request tokens) -> lent slots per ring size, memoised
@@ -121,6 +123,16 @@ class Problem:
                                                           with_drafter=self.mtp)).size_bytes
         return self.pass_arenas[key]
 
+    def pinned_bytes(self, device: int, pages, experts: bool) -> dict:
+        """Pinned host memory the runtime takes at start for GPU `device`, by what it holds: its blocks' routed
+        experts when some can miss (`experts`), the whole context's K/V of its blocks unless the ring holds it
+        (numpy arrays of pages broadcast), and on the last GPU the drafter's experts when the plan has a room
+        (closing it copies them back; the engine can open a room the plan keeps shut)."""
+        return {"experts": self.expert_host_bytes[device] if experts else 0,
+                "kv": np.where(np.asarray(pages) < self.full_pages, self.kv_bytes(device, self.full_pages), 0),
+                "drafter_experts": self.model.drafter_expert_bytes
+                if self.shares[device].last and self.room_slots else 0}
+
     def cache_slots_max(self, device: int) -> int:
         return len(self.costs[device].moe_blocks) * self.model.hparams.n_expert
 
@@ -186,7 +198,9 @@ def make_problem(hardware, model, context=None, kv="f16", mtp=None, workload=Non
     costs = [DeviceCost(model, share, kv_type, workload, mtp) for share in shares]
     full_pages = -(-context // page_tokens)
     fixed = [fixed_region_sizes(model, share.blocks, share.first, share.last, mtp, full_pages) for share in shares]
-    return Problem(model, profile, kv_type, context, mtp, workload, page_tokens, shares, costs, fixed)
+    expert_host = [sum(t.n_bytes for t in model.tensors if model.tensor_class[t.name] == "expert"
+                       and tensor_layer(t.name) in share.blocks) for share in shares]
+    return Problem(model, profile, kv_type, context, mtp, workload, page_tokens, shares, costs, fixed, expert_host)
 
 
 def split_blocks(model: Model, profile: Profile) -> list[DeviceShare]:
@@ -292,7 +306,8 @@ def page_candidates(problem: Problem, chunk: int) -> np.ndarray:
 
 
 def feasible_cache(problem: Problem, chunk: int, pages, ring_slots, arena: int):
-    """Cache slots each GPU gets from what is left (negative: the layout does not fit)."""
+    """Cache slots each GPU gets from what is left (negative: the layout does not fit), after the page tables
+    that map its pinned host copies: the experts' copy is not taken when every expert is cached."""
     slots = []
     for i, share in enumerate(problem.shares):
         used = problem.fixed_bytes(i) + aligned(problem.kv_bytes(i, pages)) + aligned(ring_slots * problem.slot_bytes) \
@@ -300,7 +315,12 @@ def feasible_cache(problem: Problem, chunk: int, pages, ring_slots, arena: int):
         if share.last and problem.mtp:
             used = used + aligned(problem.drafter_kv_bytes)
         left = share.gpu.usable_bytes - used
-        slots.append(np.where(left >= 0, np.minimum(left // problem.slot_bytes, problem.cache_slots_max(i)), -1))
+        pinned = problem.pinned_bytes(i, pages, experts=False)
+        others = pinned["kv"] + pinned["drafter_experts"]
+        most = problem.cache_slots_max(i)
+        every = left - host_page_table_bytes(share.gpu, others) >= most * problem.slot_bytes
+        some = (left - host_page_table_bytes(share.gpu, others + problem.expert_host_bytes[i])) // problem.slot_bytes
+        slots.append(np.where(every, most, np.where(some >= 0, some, -1)))
     return slots
 
 
@@ -441,24 +461,22 @@ def regions(problem: Problem, knobs: Knobs) -> list:
     return result
 
 
-def host_bytes(problem: Problem) -> dict:
-    """Pinned host memory the runtime takes at start: every routed expert and the whole context's K/V."""
-    model = problem.model
-    experts = model.bytes_of("expert") + (model.drafter_expert_bytes if problem.mtp else 0)
-    kv = problem.context_tokens * model.kv_bytes_per_token(problem.kv) * \
-        (model.hparams.n_trunk + (model.hparams.n_nextn if problem.mtp else 0))
-    return {"experts": experts, "kv": kv}
+def pinned_host_bytes(problem: Problem, knobs: Knobs) -> list[dict]:
+    """Per GPU, the pinned host memory the runtime takes at start under these knobs (`Problem.pinned_bytes`)."""
+    return [{part: int(size) for part, size in problem.pinned_bytes(
+                i, knobs.kv_pages, experts=knobs.cache_slots[i] < problem.cache_slots_max(i)).items()}
+            for i in range(len(problem.shares))]
 
 
 def check_host(problem: Problem, knobs: Knobs):
-    need = host_bytes(problem)
-    if all(s >= problem.cache_slots_max(i) for i, s in enumerate(knobs.cache_slots)):
-        need["experts"] = 0     # every routed expert is cached: no host copy is read
+    need = {part: sum(device[part] for device in pinned_host_bytes(problem, knobs))
+            for part in ("experts", "kv", "drafter_experts")}
     budget = problem.profile.host.pinned_budget_bytes
     if sum(need.values()) > budget:
+        drafter = f", the drafter's experts {format_bytes(need['drafter_experts'])}" if need["drafter_experts"] else ""
         raise DoesNotFit(f"{problem.model.name} does not fit {problem.profile.name}'s host: the pinned copies need "
                          f"{format_bytes(sum(need.values()))} (routed experts {format_bytes(need['experts'])}, "
-                         f"K/V for {problem.context_tokens} positions {format_bytes(need['kv'])}) but "
+                         f"K/V for {problem.context_tokens} positions {format_bytes(need['kv'])}{drafter}) but "
                          f"host.pinned_budget is {format_bytes(budget)}: "
                          f"{format_bytes(sum(need.values()) - budget)} short")
 

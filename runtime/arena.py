@@ -78,7 +78,7 @@ class DeviceArena:
     def __init__(self, plan, device: int = 0):
         self.regions = {r.name: r for r in plan.regions if r.device == device}
         self.nbytes = plan.device_bytes(device)
-        check_free_memory(self.nbytes)
+        check_free_memory(plan.allocated_bytes(device))     # the pinned host copies' page tables come later
         self.memory = cuda.device_array(self.nbytes, np.uint8)
 
     def has(self, name: str) -> bool:

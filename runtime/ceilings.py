@@ -9,6 +9,7 @@
   graph_seconds(): kernels timed as a replayed CUDA graph; graph_node_overhead_s(): one empty node's cost there;
   kernel_launch_s(): host time to issue one kernel from Python (`launch_kernel`); copy_call_s(), event_call_s():
       host time of the prefill ring's other calls, an expert matrix's copy and an event's record or wait;
+  host_page_table_entry_bytes(): device memory the driver takes per 4 KiB page of pinned host memory;
   fp32_peak_flops(): kernels of independent FMA chains in registers (2 FLOPs per FMA), the best shape;
   fp32_datasheet_flops(): SMs x 128 lanes x 2 x clock, what the datasheet's 67 TFLOP/s means.
 """
@@ -208,6 +209,20 @@ def event_call_s() -> float:
             + host_call_s(lambda i: event.wait(compute), [copies, compute])) / 2
 
 
+def host_page_table_entry_bytes(nbytes: int = 4 << 30) -> float:
+    """Device bytes the driver takes to map each 4 KiB page of pinned host memory (its page tables): free
+    device memory before and after pinning `nbytes` (4 GiB: the H200's tables grow in 2 MiB pieces, and 8 MiB
+    of them read to within a piece); a profile's `host_page_table_entry`."""
+    context = cuda.current_context()
+    cuda.synchronize()
+    before = context.get_memory_info()[0]
+    pinned = cuda.pinned_array(nbytes, np.uint8)
+    cuda.synchronize()
+    taken = before - context.get_memory_info()[0]
+    del pinned
+    return taken / (nbytes // 4096)
+
+
 def fp32_peak_flops() -> float:
     """The best of a few shapes (chains per thread x threads per block): the highest FMA rate this GPU gives
     numba-compiled code."""
@@ -233,7 +248,8 @@ def main():
     print(f"pinned host -> device: {pinned_copy_bytes_per_s() / 1e9:.1f} GB/s, device -> host "
           f"{pinned_copy_bytes_per_s(to_device=False) / 1e9:.1f} GB/s; zero-copy read "
           f"{zero_copy_read_bytes_per_s() / 1e9:.1f} GB/s; a 4 KiB copy {copy_latency_s() * 1e6:.1f} us")
-    print(f"graph node: {graph_node_overhead_s() * 1e6:.2f} us")
+    print(f"graph node: {graph_node_overhead_s() * 1e6:.2f} us; host page tables "
+          f"{host_page_table_entry_bytes():.2f} B per 4 KiB page pinned")
     print(f"kernel launch from Python: {kernel_launch_s() * 1e6:.1f} us; a ring copy {copy_call_s() * 1e6:.1f} us, "
           f"an event call {event_call_s() * 1e6:.1f} us")
     print(f"FP32 peak (FMA):       {fp32_peak_flops() / 1e12:.1f} TFLOP/s measured, "

@@ -52,7 +52,9 @@ def detect(path: Path, name: str | None = None, calibrate: bool = True, samples:
             ("graph_node_overhead", "a CUDA graph's empty node", ceilings.graph_node_overhead_s, "us", 1e-6),
             ("kernel_launch", "a kernel launched from Python", ceilings.kernel_launch_s, "us", 1e-6),
             ("copy_call", "a prefill ring copy issued from Python", ceilings.copy_call_s, "us", 1e-6),
-            ("event_call", "an event call issued from Python", ceilings.event_call_s, "us", 1e-6)):
+            ("event_call", "an event call issued from Python", ceilings.event_call_s, "us", 1e-6),
+            ("host_page_table_entry", "page tables per 4 KiB page pinned on the host",
+             lambda: round(ceilings.host_page_table_entry_bytes()), "B", 1)):
         value = measure() / scale
         figures[field] = f"{value:.4g} {unit}"
         note(f"  {what}: {figures[field]}")

@@ -36,7 +36,7 @@ def test_plan_show_explain_diff_and_svg(tmp_path, capsys):
 
 def test_plan_as_json_on_stdout(capsys):
     assert main(["plan", "--hardware", "h200-141g", "--model", "qwen3-30b-a3b-q8_0", "--json"]) == 0
-    assert '"schema": "stratum-plan/2"' in capsys.readouterr().out
+    assert '"schema": "stratum-plan/3"' in capsys.readouterr().out
 
 
 def truncated_gguf(tmp_path):

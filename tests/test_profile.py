@@ -114,6 +114,12 @@ def test_the_ring_calls_default_to_kernel_launch_and_read_back(tmp_path):
     assert "copy_call" in refused(write(tmp_path, variant(copy_call="fast")))
 
 
+def test_the_host_page_tables_default_to_the_h200s_and_read_back(tmp_path):
+    assert load_profile(write(tmp_path, variant())).gpus[0].host_page_table_entry_bytes == 8
+    assert load_profile(write(tmp_path, variant(host_page_table_entry="16 B"))).gpus[0].host_page_table_entry_bytes == 16
+    assert "host_page_table_entry" in refused(write(tmp_path, variant(host_page_table_entry="many")))
+
+
 def test_multi_gpu_profile(tmp_path):
     doc = copy.deepcopy(DOC)
     second = dict(GPU, name="Second GPU", vram="24 GiB", reserved="700 MiB")

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner import DoesNotFit, solve
+from planner.kv import parse_kv_type
 from planner.layout import aligned, dense_tensor_names, tensors_bytes
 from planner.model import load_model
 from planner.plan import load_plan, parse_plan
@@ -45,14 +46,33 @@ def profile_with(vram_bytes, reserved=64 * 2**20, link="12 GB/s", bandwidth="400
                          source="test-profile")
 
 
+def pinned_bytes_of(plan, model, device) -> int:
+    """The pinned host memory the runtime takes for a GPU's share, counted from the model and the knobs: its
+    blocks' routed experts unless all are cached, its blocks' whole-context K/V unless the ring holds it, and
+    the drafter's experts on the last GPU when the plan has a room."""
+    blocks = range(*device["blocks"])
+    experts = sum(t.n_bytes for t in model.tensors if model.tensor_class[t.name] == "expert"
+                  and int(t.name.split(".")[1]) in blocks)
+    n_moe = sum(model.hparams.is_moe_layer(b) for b in blocks)
+    all_cached = plan.knobs["expert_cache_slots"][device["index"]] >= n_moe * model.hparams.n_expert
+    page_tokens, pages = plan.knobs["page_tokens"], plan.knobs["kv_pages"]
+    full_pages = -(-plan.settings["context_tokens"] // page_tokens)
+    kv = len(blocks) * full_pages * page_tokens * model.kv_bytes_per_token(parse_kv_type(plan.settings["kv"]))
+    drafter = model.drafter_expert_bytes if device["holds_drafter"] and plan.knobs["room_slots"] else 0
+    return (0 if all_cached else experts) + (kv if pages < full_pages else 0) + drafter
+
+
 def check_layout(plan, model):
-    """Regions are aligned, ordered, non-overlapping, within usable VRAM, and exactly the promised bytes."""
+    """Regions are aligned, ordered, non-overlapping, within usable VRAM with the host page tables, and exactly
+    the promised bytes."""
     for device in plan.devices:
         end = 0
         for region in device["regions"]:
             assert region["offset"] >= end and region["offset"] % 256 == 0
             end = region["offset"] + region["bytes"]
-        assert end == device["used_bytes"] <= device["usable_bytes"]
+        # an 8-byte entry per 4 KiB page of the pinned host copies
+        assert device["host_page_tables_bytes"] == -(-pinned_bytes_of(plan, model, device) // 4096) * 8
+        assert end + device["host_page_tables_bytes"] == device["used_bytes"] <= device["usable_bytes"]
         assert device["used_bytes"] + device["free_bytes"] == device["usable_bytes"]
         sizes = {r["name"]: r["bytes"] for r in device["regions"]}
         share = range(*device["blocks"])
@@ -195,6 +215,25 @@ def test_a_model_that_cannot_fit_says_by_how_much_and_what_binds():
     with pytest.raises(DoesNotFit, match=r"needs at least .* GiB.*GiB usable: .* short; the floor is the dense "
                                          r"weights"):
         solve(hardware="rtx-2060-super-8g", model="glm-4.5-q4_k_m", context=32768, kv="q8_0", mtp=False)
+
+
+def test_the_page_tables_of_the_pinned_host_copies_take_vram_from_the_cache(air_8g):
+    """GLM-4.5-Air's 66 GB of experts pinned on the host map through about 133 MiB of the 8 GB card's VRAM:
+    the plan counts them, and the cache has that much less (a slot more would not fit beside them)."""
+    device = air_8g.devices[0]
+    pinned = air_8g.settings["host_pinned_bytes"]
+    assert pinned["experts"] == load_model("glm-4.5-air-q4_k_m").bytes_of("expert")
+    assert 120 * 2**20 < device["host_page_tables_bytes"] == air_8g.allocated_bytes(0) - air_8g.device_bytes(0)
+    assert device["free_bytes"] < air_8g.knobs["slot_bytes"]
+
+
+def test_a_resident_plan_pins_no_experts_and_a_ring_holding_the_context_no_kv(tmp_path):
+    card = small_card(tmp_path)
+    plan = solve(hardware=profile_with(4 * GIB), model=card, context=1024)
+    assert plan.knobs["kv_pages"] == 4 and plan.knobs["expert_cache_slots"] == [32]
+    assert plan.settings["host_pinned_bytes"] == {"experts": 0, "kv": 0, "drafter_experts": 0}
+    assert plan.devices[0]["host_page_tables_bytes"] == 0
+    assert plan.allocated_bytes(0) == plan.device_bytes(0)
 
 
 def test_the_host_budget_is_checked():
