@@ -23,6 +23,12 @@ issuing each block's batches measured. A block's row:
 
 If span follows `issue`, the host is what binds; if it follows copy + experts, the copies and kernels run one
 after the other on the GPU; if it follows max(copy, experts), they overlap as the planner assumes.
+
+The events cost the host time themselves, so a third read takes host clocks only (`runtime.ring_clock`), per
+block: sync and issue ms as above, the mean host time of a ring copy as the store issues it (`_copy_in`, a
+matrix's run of experts: its data's and its scales' driver copies) and of a batch's two expert-kernel
+launches, and `rest ms`, the issue time beyond those (the routing's bincount, the batches' tables and tile
+counts, the events, the Python between).
 `--host-profile N` prints the top N functions by own time of the host during one plain read (cProfile).
 """
 
@@ -44,6 +50,7 @@ from planner.model import load_model
 from planner.search import solve
 from planner.workload import Workload
 from runtime.engine import Engine
+from runtime.ring_clock import RingClock
 from tools.demo import DEMO_PATH
 
 CONTEXT = 8192
@@ -160,6 +167,14 @@ def main():
                     profiler.enable()
                     engine.generate(prompt(args.prompt_tokens), 1)
                     profiler.disable()
+                with RingClock(engine) as clock:
+                    clock.begin()
+                    clocked = engine.generate(prompt(args.prompt_tokens), 1).prefill_s
+                    clock_rows = [{"block": b.block, "sync ms": b.sync_s * 1e3, "issue ms": b.issue_s * 1e3,
+                                   "copies": len(b.copy_s), "copy us": np.mean(b.copy_s) * 1e6 if b.copy_s else 0.0,
+                                   "driver copies": b.driver_copies, "batches": len(b.batch_s),
+                                   "batch us": np.mean(b.batch_s) * 1e6, "rest ms": b.rest_s * 1e3}
+                                  for b in clock.end()]
                 timeline.begin()
                 timed = engine.generate(prompt(args.prompt_tokens), 1).prefill_s
                 engine.compute.synchronize()
@@ -172,6 +187,8 @@ def main():
                   f"streamed ({streamed / ceilings['pinned'] * 1e3:.1f} ms at the measured pinned bandwidth); "
                   f"with the timeline's events {timed * 1e3:.1f} ms")
             print_table(rows, percent=("overlap",))
+            print(f"host clocks only: {clocked * 1e3:.1f} ms")
+            print_table(clock_rows)
             totals = defaultdict(float)
             for row in rows:
                 for key in ("dense ms", "sync ms", "issue ms", "copy ms", "experts ms", "span ms"):

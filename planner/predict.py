@@ -12,9 +12,11 @@
   after every copy. Each batch's expert kernels take their share of the block's tiles (a small batch's grids
   leave SMs idle), plus the profile's `prefill_ring_batch`: what a batch adds beyond its tiles (BENCHMARKS.md,
   the ring's timeline). A chunk takes max(compute, streaming, issuing): they run on separate engines and the
-  host, which launches each kernel from Python (a node at the profile's `prefill_launch`, a batch's two
-  kernels at `kernel_launch`, its copies at `copy_call` and its four event calls at `event_call`), so a
-  shallow ring's many small batches cost launches; each chunk adds
+  host, which launches each kernel from Python (a node at the profile's `prefill_launch`; a batch's copies at
+  `prefill_ring_copy` each and the rest of it at `prefill_ring_call`, or uncalibrated its two kernels at
+  `kernel_launch`, its copies at `copy_call` and its four event calls at `event_call`), so a shallow ring's
+  many small batches cost launches. A streaming block's wait for its routing and the host's work from it to
+  the first batch (`prefill_ring_block`) hold the host, the GPU and the copy engine alike; each chunk adds
   the profile's `prefill_host`: what the host takes that the GPU's work does not hide (inputs staged, logits
   and routing read back, the pass's first launches);
 - K/V ring: the last `resident` positions are in VRAM; attention over older ones streams them over the link;
@@ -69,7 +71,8 @@ class ChunkStreaming(NamedTuple):
     streaming_blocks: object    # blocks still streaming
     fill_s: object              # a streaming block's first batch's copy, ahead of any of its expert kernels
     drain_s: object             # its last batch's kernels, after every copy
-    issue_s: object             # the host's issue of its first batch: nothing of the block runs before it
+    issue_s: object             # its routing's round trip and the host's issue of its first batch: nothing of
+    #                             the block runs before them
     launch_s: object            # the host's issue of the whole chunk
 
 
@@ -300,14 +303,16 @@ class DeviceCost:
         # expert between two streamed ones splits a run)
         cached_share = np.minimum(1.0, np.asarray(cache_slots) / len(self.moe_blocks) / self.n_expert)
         batch_copies = COPIES_PER_RUN * (1 + (half - 1) * cached_share)
-        batch_issue_s = (BATCH_KERNELS * g.kernel_launch_s + batch_copies * g.copy_call_s
-                         + BATCH_EVENT_CALLS * g.event_call_s)
+        batch_issue_s = (batch_copies * (g.kernels.prefill_ring_copy.latency_s or g.copy_call_s)
+                         + (g.kernels.prefill_ring_call.latency_s
+                            or BATCH_KERNELS * g.kernel_launch_s + BATCH_EVENT_CALLS * g.event_call_s))
+        routing_s = g.kernels.prefill_ring_block.latency_s
         return ChunkStreaming(
             expert_compute, touched_bytes / g.memory_bandwidth_bytes_per_s, streamed_bytes, streamed_count,
             streaming_blocks * batches * batch_copies, stall_per_expert, streaming_blocks, per_block * copy,
-            per_block * per_expert_compute, batch_issue_s,
+            per_block * per_expert_compute, routing_s + batch_issue_s,
             cost.n_nodes * (g.kernels.prefill_launch.latency_s or g.kernel_launch_s)
-            + streaming_blocks * batches * batch_issue_s
+            + streaming_blocks * (batches * batch_issue_s + routing_s)
             + (len(self.moe_blocks) - streaming_blocks) * CACHED_BLOCK_CALLS * g.kernel_launch_s)
 
     def _blocks_streaming(self, cache_slots):

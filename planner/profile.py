@@ -70,7 +70,11 @@ class Kernels:
     and beyond its tiles' cost; `prefill_host` (a latency only) what a prefill chunk costs the host that the
     GPU's work does not hide (its inputs staged, its logits and routing read back, the GPU waiting on the
     first launches), added to each chunk; `prefill_launch` (a latency only) the host's time to launch one node
-    of a prefill pass (0: the profile's `kernel_launch`). `decode_l2_*` price the decode families for a model
+    of a prefill pass (0: the profile's `kernel_launch`); the prefill ring's host calls as the engine makes
+    them (latencies only, `runtime.ring_clock`): `prefill_ring_copy` a driver copy (0: `copy_call`),
+    `prefill_ring_call` the rest of a batch (its two expert kernels' launches, its events, its Python; 0: two
+    `kernel_launch` and four `event_call`), `prefill_ring_block` a streaming block's wait for its routing and
+    the host's work from it to its batches (0: none). `decode_l2_*` price the decode families for a model
     whose weights fit in the GPU's L2 cache (`codegen.cost.weights_in_l2`): its steps re-read them from L2, not
     device memory, and each of its kernels' dependent loads waits for L2 (BENCHMARKS.md: a 4-block 512-wide
     model's decode nodes take about half the time of the 2048-wide calibration model's); `prefill_l2_*`
@@ -100,6 +104,9 @@ class Kernels:
     prefill_ring_batch: KernelFit = KernelFit()
     prefill_host: KernelFit = KernelFit()
     prefill_launch: KernelFit = KernelFit()
+    prefill_ring_copy: KernelFit = KernelFit()
+    prefill_ring_call: KernelFit = KernelFit()
+    prefill_ring_block: KernelFit = KernelFit()
 
 
 KERNEL_FAMILIES = tuple(f.name for f in fields(Kernels))

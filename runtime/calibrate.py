@@ -20,7 +20,12 @@ time, where those take longer: the planner prices a chunk at the larger of the t
 what a chunk costs the host that the GPU's work does not hide (its inputs staged, its logits and routing read
 back, the GPU waiting on launches at the pass's start and between short nodes); `prefill_launch` is the host's
 time to launch one of those passes' nodes (`issue_s`, behind a spinning kernel), which `kernel_launch` (a
-launch of a MoE kernel's 16 arrays) overstates for the rest.
+launch of a MoE kernel's 16 arrays) overstates for the rest. The prefill ring's host calls are clocked in the
+small model's engine under plans that stream half its experts through rings of RING_DEPTHS slots
+(`ring_host_terms`, `runtime.ring_clock`): `prefill_ring_copy` is a driver copy's host time there, and each
+streaming block's other host time (its issue beyond its copies and launches, and its wait for the routing) is
+fitted as `prefill_ring_block` plus, per batch, `prefill_ring_call` less the batch's launches (bounded least
+squares over the blocks of both depths, whose batch counts differ).
 
 The `decode_l2_*` families (a model whose weights fit in L2, `codegen.cost.weights_in_l2`) come from a second,
 small model of the same architecture (SMALL_SHAPE: 512 wide, 32 experts of width 128, 4 blocks; about 30 MB)
@@ -51,7 +56,7 @@ from codegen.lower.moe import range_tiles
 from planner.architecture import tensor_layer
 from planner.kv_lending import needed_pages
 from planner.model import load_model
-from planner.profile import GPU, L2_FAMILIES, TILED_FAMILIES, WALK_FAMILIES, KernelFit, Kernels
+from planner.profile import GPU, L2_FAMILIES, TILED_FAMILIES, WALK_FAMILIES, KernelFit, Kernels, load_profile
 from planner.search import PAGE_TOKENS, solve
 from planner.workload import Workload
 from runtime.ceilings import spin, time_s
@@ -72,6 +77,9 @@ SMALL_SHAPE = {"embedding_length": 512, "expert_feed_forward_length": 128, "expe
                "attention.key_length": 64, "attention.value_length": 64, "vocab_size": 4096}
 SMALL_CONTEXTS = (512, 4096)     # decode attention's time grows with the context: two tell its two terms
 SMALL_PREFILL_TOKENS = (256,) + SMALL_CONTEXTS     # prefill attention's walk makes three terms
+RING_DEPTHS = (4, 16)       # ring slots of `ring_host_terms`' plans: batches of 2 and 8 experts
+RING_TOKENS = 256           # its prompts' tokens, one chunk each
+RING_PROMPTS = 4            # clocked prompts a depth, after two that lower the passes
 
 
 class Sample(NamedTuple):
@@ -267,6 +275,7 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
         (Path(folder) / "small").mkdir()
         small_samples, small_gaps, small_launches = small_model_samples(profile_path, gpu, Path(folder) / "small",
                                                                         note)
+        ring_fits = ring_host_terms(profile_path, Path(folder) / "small", note)
         samples.extend(small_samples)
         host_gaps.extend(small_gaps)
         launches.extend(small_launches)
@@ -289,6 +298,7 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
     fits["prefill_ring_batch"] = KernelFit(efficiency=1.0, latency_s=batch_s)
     fits["prefill_host"] = KernelFit(efficiency=1.0, latency_s=float(np.mean(host_gaps)))
     fits["prefill_launch"] = KernelFit(efficiency=1.0, latency_s=float(np.mean(launches)))
+    fits.update(ring_fits)
     note(f"  a prefill node's launch: {fits['prefill_launch'].latency_s * 1e6:.3g} us of host time (the mean of "
          f"{', '.join(f'{launch * 1e6:.3g}' for launch in launches)} us)")
     note(f"  a prefill chunk's host time beyond its GPU work: {fits['prefill_host'].latency_s * 1e3:.3g} ms "
@@ -434,6 +444,60 @@ def small_model_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) 
                 engine.generate(rng.integers(0, engine.hp.n_vocab, size=tokens).tolist(), 2)
             samples.extend(timed_nodes(engine, gpu, "decode", 1, tokens, in_l2=True))
     return samples, gaps, launches
+
+
+def ring_host_terms(profile_path: Path, folder: Path, note=print) -> dict:
+    """The prefill ring's host families (`prefill_ring_copy`, `prefill_ring_call`, `prefill_ring_block`), clocked
+    in the SMALL_SHAPE model's engine (its card written into `folder`) under plans that cache half its experts
+    and stream the rest through rings of RING_DEPTHS slots: RING_PROMPTS one-chunk prompts of RING_TOKENS tokens
+    a depth (`runtime.ring_clock`). A small model's passes are short, so the host binds and each block's wait
+    for its routing is the sync's round trip and the GPU's last nodes, not a long pass."""
+    from runtime.engine import Engine
+    from runtime.ring_clock import RingClock
+
+    card = reduced_card(CALIBRATION_BLOCKS, folder, metadata=SMALL_SHAPE)
+    model, profile = load_model(card), load_profile(profile_path)
+    workload = Workload(prompts=((RING_TOKENS, 1.0),), decode_tokens=8)
+    resident = solve(profile, card, context=4 * RING_TOKENS, kv="f16", workload=workload,
+                     pins={"chunk_tokens": RING_TOKENS, "ring_slots": max(RING_DEPTHS)})
+    half_bytes = model.hparams.n_expert * CALIBRATION_BLOCKS // 2 * resident.knobs["slot_bytes"]
+    streaming = profile.with_vram(profile.gpus[0].reserved_bytes + resident.allocated_bytes(0) - half_bytes)
+    rng = np.random.default_rng(0)
+    blocks = []
+    for depth in RING_DEPTHS:
+        plan = solve(streaming, card, context=4 * RING_TOKENS, kv="f16", workload=workload,
+                     pins={"chunk_tokens": RING_TOKENS, "ring_slots": depth})
+        with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine, \
+                RingClock(engine) as clock:
+            for request in range(2 + RING_PROMPTS):
+                clock.on = request >= 2
+                engine.generate(rng.integers(0, engine.hp.n_vocab, size=RING_TOKENS).tolist(), 1)
+            blocks += clock.end()
+    fits = fit_ring_host(blocks)
+    batches = [len(b.batch_s) for b in blocks]
+    note(f"  the prefill ring's host calls ({len(blocks)} streaming blocks, {min(batches)}-{max(batches)} batches "
+         f"each): a driver copy {fits['prefill_ring_copy'].latency_s * 1e6:.3g} us, a batch's other calls "
+         f"{fits['prefill_ring_call'].latency_s * 1e6:.3g} us, a block's routing "
+         f"{fits['prefill_ring_block'].latency_s * 1e6:.3g} us")
+    return fits
+
+
+def fit_ring_host(blocks: list) -> dict:
+    """The prefill ring's host families from `runtime.ring_clock.BlockClock`s: a driver copy's mean host time;
+    each block's host time beyond its copies and launches (its routing's wait and work, and the rest of each
+    batch: events, tables, Python) fitted as a per-block `prefill_ring_block` plus a per-batch part (bounded
+    least squares: both at least 0), which `prefill_ring_call` adds to a batch's mean launch time."""
+    if not blocks:
+        raise RuntimeError("the ring calibration's plans streamed no experts")
+    copy_s = sum(sum(b.copy_s) for b in blocks) / max(1, sum(b.driver_copies for b in blocks))
+    batches = np.array([len(b.batch_s) for b in blocks], float)
+    launch_s = sum(sum(b.batch_s) for b in blocks) / batches.sum()
+    beyond = np.array([b.rest_s + b.sync_s for b in blocks])
+    (block_s, per_batch_s), _ = _bounded_lstsq(np.stack([np.ones_like(batches), batches], axis=1), beyond,
+                                               [0.0, 0.0], [np.inf, np.inf])
+    return {"prefill_ring_copy": KernelFit(latency_s=float(copy_s)),
+            "prefill_ring_call": KernelFit(latency_s=float(launch_s + per_batch_s)),
+            "prefill_ring_block": KernelFit(latency_s=float(block_s))}
 
 
 def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int, in_l2: bool = False) -> list:
