@@ -176,6 +176,31 @@ def test_a_ring_batch_issues_its_kernels_copies_and_events_each_at_its_own_cost(
             assert launch[kind] - launch["base"] == pytest.approx(batches * calls * extra_s, rel=1e-9)
 
 
+def test_the_ring_calls_measured_in_the_engine_replace_the_microbenchmarks(qwen):
+    """Calibrated, a batch's copies cost `prefill_ring_copy` each and the rest of it `prefill_ring_call`, the
+    profile's `copy_call`, `kernel_launch` and `event_call` no longer; each streaming block's routing
+    (`prefill_ring_block`) holds its first batch back and adds to the chunk's launch bound once a block."""
+    from planner.predict import COPIES_PER_RUN
+    base = load_profile("h200-141g").gpus[0]
+    copy_s, call_s, block_s = 11e-6, 63e-6, 230e-6
+    kernels = dataclasses.replace(base.kernels, prefill_ring_copy=KernelFit(latency_s=copy_s),
+                                  prefill_ring_call=KernelFit(latency_s=call_s),
+                                  prefill_ring_block=KernelFit(latency_s=block_s))
+    results = {}
+    for name, gpu in (("calibrated", dataclasses.replace(base, kernels=kernels)),
+                      ("dearer launches", dataclasses.replace(base, kernels=kernels, kernel_launch_s=1e-3,
+                                                              copy_call_s=1e-3, event_call_s=1e-3))):
+        streaming = _streaming_device(qwen, gpu).chunk_streaming(2048, 0, 8)
+        results[name] = (float(streaming.issue_s), float(streaming.launch_s))
+    streaming = _streaming_device(qwen, base).chunk_streaming(2048, 0, 8)
+    assert results["calibrated"][0] == pytest.approx(block_s + COPIES_PER_RUN * copy_s + call_s, rel=1e-9)
+    assert results["dearer launches"][0] == results["calibrated"][0]
+    blocks, batches = float(streaming.streaming_blocks), float(streaming.copies) / COPIES_PER_RUN
+    uncalibrated_batch_s = float(streaming.issue_s)
+    assert results["calibrated"][1] - float(streaming.launch_s) == pytest.approx(
+        batches * (COPIES_PER_RUN * copy_s + call_s - uncalibrated_batch_s) + blocks * block_s, rel=1e-9)
+
+
 def test_a_chunk_adds_its_host_time_and_launches_its_nodes_at_the_measured_rate(qwen):
     """Each chunk adds the profile's `prefill_host` whatever binds it; the launch bound takes each node at
     `prefill_launch` and a MoE block whose every expert is cached at CACHED_BLOCK_CALLS `kernel_launch`s (its
