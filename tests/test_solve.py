@@ -218,7 +218,7 @@ def test_a_model_that_cannot_fit_says_by_how_much_and_what_binds():
 
 
 def test_the_page_tables_of_the_pinned_host_copies_take_vram_from_the_cache(air_8g):
-    """GLM-4.5-Air's 66 GB of experts pinned on the host map through about 133 MiB of the 8 GB card's VRAM:
+    """GLM-4.5-Air's pinned copies (71 GB, 66 of them experts) map through 132 MiB of the 8 GB card's VRAM:
     the plan counts them, and the cache has that much less (a slot more would not fit beside them)."""
     device = air_8g.devices[0]
     pinned = air_8g.settings["host_pinned_bytes"]
