@@ -55,7 +55,7 @@ def assemble(problem: Problem, knobs: Knobs) -> Plan:
                                {"histogram": np.asarray(wl.histogram).tolist()}},
                   "host_pinned_bytes": {part: sum(device[part] for device in pinned) for part in pinned[0]}},
         devices=devices, knobs=plan_knobs, predictions=predictions(problem, knobs),
-        binding=binding(problem, knobs, devices), explanations=explanations(problem, knobs))
+        binding=binding(problem, knobs, devices), explanations=explanations(problem, knobs, devices))
 
 
 def _sig(x: float) -> float:
@@ -181,7 +181,7 @@ def _versus(base: float, other: float | None, what: str) -> str:
     return f"{what} would make a request {abs(change):.1%} {'slower' if change >= 0 else 'faster'}"
 
 
-def explanations(problem: Problem, knobs: Knobs) -> dict:
+def explanations(problem: Problem, knobs: Knobs, plan_devices: list) -> dict:
     base = _objective(problem, knobs)
     notes = {}
     chunks = sorted(set(chunk_candidates(problem)) | {knobs.chunk_tokens})    # a pinned chunk may be off the grid
@@ -200,8 +200,10 @@ def explanations(problem: Problem, knobs: Knobs) -> dict:
                                    "; ".join(_versus(base, _objective(problem, knobs, ring_slots=r), f"{r} slot{'s' * (r != 1)}")
                                              for r in (knobs.ring_slots - 1, knobs.ring_slots + 1,
                                                        2 * knobs.ring_slots)))
-    notes["expert_cache_slots"] = ("what is left of each GPU after the other regions: more cache never costs "
-                                   f"time; decode hit rate {hit_rate(problem, knobs):.1%}")
+    page_tables = ", ".join(format_bytes(device["host_page_tables_bytes"]) for device in plan_devices)
+    notes["expert_cache_slots"] = (f"what is left of each GPU after the other regions and the page tables that map "
+                                   f"its pinned host copies ({page_tables}): more cache never costs time; decode hit "
+                                   f"rate {hit_rate(problem, knobs):.1%}")
     notes["kv_pages"] += ". " + _lending_note(problem, knobs)
     if problem.mtp:
         depth = max(t for t, _ in problem.workload.prompts)
