@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
-from codegen.graph import (EXPERT_TILE_ROWS, TILE_WEIGHT_ROWS, TILED_OPS, Tiling, expert_tiles, prefill_tiling,
-                           representative_of)
+from codegen.graph import (EXPERT_TILE_ROWS, TILE_WEIGHT_ROWS, TILED_OPS, Tiling, expert_tiles, launch_members,
+                           launched, prefill_tiling, representative_of)
 from planner.architecture import tensor_layer
 from planner.profile import GPU, TILED_FAMILIES, KernelFit
 
 MATMUL_OPS = ("matmul", "swiglu_matmul")
 ATTENTION_OPS = ("attention", "attention_combine")
+GROUPING_OPS = ("moe_groups", "moe_route")     # one thread block each: they follow no roofline
 
 
 def kernel_family(node: dict, decode: bool, in_l2: bool = False) -> str:
@@ -41,7 +42,7 @@ def kernel_family(node: dict, decode: bool, in_l2: bool = False) -> str:
     (the pass's, or the node's own `family`), the `*_l2_*` one when its model's weights stay in L2 (`in_l2`,
     `weights_in_l2`)."""
     kind = ("experts" if "expert_layer" in node else "matmul" if node["op"] in MATMUL_OPS
-            else "attention" if node["op"] in ATTENTION_OPS else "grouping" if node["op"] == "moe_groups"
+            else "attention" if node["op"] in ATTENTION_OPS else "grouping" if node["op"] in GROUPING_OPS
             else "small")
     family = "decode" if decode or node.get("family") == "decode" else "prefill"
     return f"{family}_l2_{kind}" if in_l2 else f"{family}_{kind}"
@@ -195,7 +196,7 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
     decode = graph.graph["kind"] != "prefill"
     cost.expert_efficiency = kernel_fit(gpu, {"op": "moe_down_matmul", "expert_layer": 0}, decode, in_l2).efficiency
     for name, node in graph.nodes(data=True):
-        if node["op"] == "input":
+        if not launched(node):
             continue
         rep = tensor_layer(name)
         if rep is None or rep >= hp.n_trunk:
@@ -205,31 +206,29 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
             stands_for = represented.get(rep, [])
         if not stands_for:
             continue
-        activations = activation_bytes(graph, name)
         cost.n_nodes += len(stands_for)
         fit = kernel_fit(gpu, node, decode, in_l2)
+        flops, moved, weight_names, weight_bytes = launch_totals(graph, name)
         if node["op"] == "attention":
-            moved = activations + node["weight_bytes"]
+            moved += node["weight_bytes"]
             cost.attention.append((node["flops"], node["flops_per_context_token"], moved, node["kv_read"],
                                    len(stands_for), fit))
             cost.kv_bytes_per_token += node["kv_read"] * len(stands_for)
             cost.host_kv_reads = node.get("kv_reads", 1)
             continue
-        moved = activations + node.get("kv_write", 0)
         tiling = prefill_tiling(node) if is_tiled(node, decode) else None
         if "expert_layer" in node:
             cost.experts.append((node["flops"], moved, fit, tiling, node["shape"][0]))
             continue
         if stands_for == [None]:
-            weights = np.array([node["weight_bytes"]], dtype=np.float64)
+            weights = np.array([weight_bytes], dtype=np.float64)
         else:
-            weights = model.block_weight_bytes(tuple(node["weights"]), rep, tuple(stands_for))
+            weights = model.block_weight_bytes(weight_names, rep, tuple(stands_for))
         in_moe_block = rep is not None and rep in stands_for and hp.is_moe_layer(rep)
         if tiling is not None:
             cost.tiled.append((tiling, moved, weights, stands_for.index(rep) if in_moe_block else None, fit))
             continue
-        seconds = fitted_s(fit, np.maximum(node["flops"] / gpu.fp32_flops,
-                                           (moved + weights) / gpu.memory_bandwidth_bytes_per_s))
+        seconds = fitted_s(fit, np.maximum(flops / gpu.fp32_flops, (moved + weights) / gpu.memory_bandwidth_bytes_per_s))
         cost.fixed_s += float(seconds.sum())
         if in_moe_block:
             cost.block_fixed_s += float(seconds[stands_for.index(rep)])
@@ -241,14 +240,25 @@ def activation_bytes(graph: nx.DiGraph, name: str) -> int:
     return graph.nodes[name]["out_bytes"] + sum(graph.nodes[p]["out_bytes"] for p in graph.predecessors(name))
 
 
+def launch_totals(graph: nx.DiGraph, name: str) -> tuple:
+    """(FLOPs, activation and K/V bytes moved, weight names, dense weight bytes) of the launch of node `name`,
+    over the nodes it computes (`launch_members`)."""
+    members = launch_members(graph, name)
+    nodes = [graph.nodes[m] for m in members]
+    return (sum(node["flops"] for node in nodes),
+            sum(activation_bytes(graph, m) + node.get("kv_write", 0) for m, node in zip(members, nodes)),
+            tuple(dict.fromkeys(w for node in nodes for w in node["weights"])),
+            sum(node["weight_bytes"] for node in nodes))
+
+
 def node_roofline_s(graph: nx.DiGraph, name: str, gpu: GPU, model, context_tokens: int,
                     tile_rows_per_pair: float = 1.0) -> float:
-    """The roofline time of one node of a pass graph that holds every block, with `context_tokens` of K/V in
+    """The roofline time of one node's launch (with the nodes it fuses) in a pass graph that holds every block, with `context_tokens` of K/V in
     VRAM: its FLOPs at the FP32 peak or its bytes at the read bandwidth, whichever is longer (what
     `pass_cost` charges it, before calibration). A routed-expert node reads the weights of as many experts as
     its rows can use (k a row, at most all of them), and computes `tile_rows_per_pair` rows a pair."""
     node = graph.nodes[name]
-    flops, moved = node["flops"], activation_bytes(graph, name) + node.get("kv_write", 0)
+    flops, moved, _, weight_bytes = launch_totals(graph, name)
     if node["op"] == "attention":
         flops += node["flops_per_context_token"] * context_tokens
         moved += node["weight_bytes"] + node["kv_read"] * context_tokens
@@ -258,7 +268,7 @@ def node_roofline_s(graph: nx.DiGraph, name: str, gpu: GPU, model, context_token
         moved += sum(model.tensor_bytes[w] for w in node["weights"]) * used / hp.n_expert
         flops *= tile_rows_per_pair
     else:
-        moved += node["weight_bytes"]
+        moved += weight_bytes
     return max(flops / gpu.fp32_flops, moved / gpu.memory_bandwidth_bytes_per_s)
 
 

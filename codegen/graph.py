@@ -15,7 +15,9 @@ Every node is one op producing one tensor (the node's name is the tensor's name)
   context token; kv_reads, prefill: how often a position read from the host copy crosses the link),
   family ("decode" on a prefill node lowered and priced as the decode family: the output head's one row),
   n_in (matmuls: the weights' width; with the node's op and shape it gives its tiles, `prefill_tiling`),
-  output (True for tensors that leave the pass).
+  output (True for tensors that leave the pass),
+  fuses / launched_by (a launch that computes several tensors: the first node lists the others, each of
+  which names it; `launched`, `launch_members`).
 Edges run from the producer of a tensor to each of its consumers.
 
 Prefill computes the output head for the last position only: a full-chunk logits buffer is
@@ -31,6 +33,7 @@ from planner.architecture import HParams
 from planner.kv import KVType, row_bytes
 
 PASS_KINDS = ("prefill", "decode", "draft")
+VIEW_OPS = ("input", "select_rows")     # tensors no kernel writes: a pass's inputs, views of a tensor's rows
 ATTENTION_SPLITS = 64   # tile sets a decode/draft window's attention is split into
 EXPERT_TILE_ROWS = 64   # pair rows of a prefill expert tile (an expert's last one computes all its rows: codegen.cost)
 TILE_WEIGHT_ROWS = 128  # weight rows of a prefill matmul tile (SwiGLU: 64 gate and the same 64 up)
@@ -110,6 +113,18 @@ class _Builder:
             self.graph.add_edge(source, name)
         return name
 
+    def fuse(self, writer: str, *members: str) -> None:
+        """One launch computes `members` too (its kernel writes their tensors): a launch fewer each, which is
+        what a node of a decode step costs (BENCHMARKS.md). Their inputs must be ready when the writer runs."""
+        nodes, fused = self.graph.nodes, {writer, *members}
+        late = [p for m in members for p in self.graph.predecessors(m)
+                if p not in fused and nodes[p]["order"] > nodes[writer]["order"]]
+        if late:
+            raise ValueError(f"{writer} cannot compute {members}: {late} run after it")
+        nodes[writer]["fuses"] = members
+        for member in members:
+            self.graph.nodes[member]["launched_by"] = writer
+
     def matmul(self, name: str, x: str, weight: str, rows: int, n_in: int, n_out: int, residual: str | None = None,
                **attrs) -> str:
         """x @ weight.T (+ its bias, fused); with `residual`, added in place to that tensor (the residual
@@ -133,6 +148,8 @@ class _Builder:
         q = self.matmul(p + "q", h, p + "attn_q", rows, e, q_dim)
         k = self.matmul(p + "k", h, p + "attn_k", rows, e, k_dim)
         v = self.matmul(p + "v", h, p + "attn_v", rows, e, v_dim)
+        if self.kind != "prefill":      # a window's three projections in one launch (`make_qkv_matmul`)
+            self.fuse(q, k, v)
         qk_norm = hp.qk_norm    # each head of q and k normed before the rotation: one kernel does both
         q = self.op(p + "q_rope", "rope", [q, "positions"], (rows, q_dim),
                     flops=6.0 * rows * hp.n_head * hp.n_rot // 2 + (4.0 * rows * q_dim if qk_norm else 0),
@@ -140,6 +157,7 @@ class _Builder:
         k = self.op(p + "k_rope", "rope", [k, "positions"], (rows, k_dim),
                     flops=6.0 * rows * hp.n_head_kv * hp.n_rot // 2 + (4.0 * rows * k_dim if qk_norm else 0),
                     weights=(p + "attn_k_norm.weight",) if qk_norm else (), inplace=k)
+        self.fuse(q, k)         # one launch rotates both
         kv_row_bytes = row_bytes(k_dim, self.kv.k_type) + row_bytes(v_dim, self.kv.v_type)
         stored = self.op(p + "kv_store", "kv_store", [k, v, "positions"], (0,), kv_layer=layer,
                          kv_write=rows * kv_row_bytes)
@@ -183,7 +201,10 @@ class _Builder:
         hp, p, e = self.hp, f"blk.{layer}.", self.hp.n_embd
         k, f = hp.n_expert_used, hp.n_ff_exp
         logits = self.matmul(p + "router", h, p + "ffn_gate_inp", rows, e, hp.n_expert)
-        ids = self.op(p + "topk", "topk", [logits], (rows, k), dtype="i32", flops=rows * hp.n_expert * k,
+        # a window's few rows fit one block: one launch selects, weighs and groups them (`moe_route`)
+        route = self.kind != "prefill"
+        ids = self.op(p + "topk", "moe_route" if route else "topk", [logits], (rows, k), dtype="i32",
+                      flops=rows * hp.n_expert * k,
                       weights=(p + "exp_probs_b.bias",),
                       gating="softmax" if hp.architecture == "qwen3moe" else "sigmoid")
         weights = self.op(p + "route_weights", "route_weights", [logits, ids], (rows, k), flops=rows * k * 4,
@@ -191,6 +212,8 @@ class _Builder:
         # (row, slot) pairs grouped by expert, so each expert's weights are read once for all its rows
         groups = self.op(p + "moe_groups", "moe_groups", [ids], (moe_groups_length(hp.n_expert, rows * k),),
                          dtype="i32")
+        if route:
+            self.fuse(ids, weights, groups)
         act = self.op(p + "moe_gate_up", "moe_swiglu_matmul", [h, groups], (rows * k, f),
                       flops=4.0 * rows * k * e * f, weights=(p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"),
                       expert_layer=layer, n_in=e)
@@ -310,3 +333,18 @@ def representative_of(hparams: HParams, layer: int) -> int:
 
 def nodes_in_order(graph: nx.DiGraph) -> list[str]:
     return sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"])
+
+
+def launched(node: dict) -> bool:
+    """Whether a node is a kernel launch of its own: not an input or a view, not computed by another's launch."""
+    return node["op"] not in VIEW_OPS and "launched_by" not in node
+
+
+def launch_members(graph: nx.DiGraph, name: str) -> list[str]:
+    """The nodes the launch of `name` computes: itself, then those it fuses."""
+    return [name, *graph.nodes[name].get("fuses", ())]
+
+
+def written_at(graph: nx.DiGraph, name: str) -> str:
+    """The node whose launch writes tensor `name`."""
+    return graph.nodes[name].get("launched_by", name)

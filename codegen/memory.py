@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from codegen.graph import nodes_in_order, representative_of
+from codegen.graph import nodes_in_order, representative_of, written_at
 from planner.architecture import tensor_layer
 
 ARENA_ALIGNMENT_BYTES = 256     # cudaMalloc's alignment: every tensor starts where a kernel may vector-load
@@ -36,7 +36,8 @@ def buffer_of(graph: nx.DiGraph, name: str) -> str:
 
 
 def lifetimes(graph: nx.DiGraph) -> dict:
-    """Buffer -> (position where it is first written, last position where it is read)."""
+    """Buffer -> (position where it is first written, last position where it is read); a tensor another node's
+    launch computes (`launched_by`) is written at that node's position."""
     order = nodes_in_order(graph)
     position = {name: i for i, name in enumerate(order)}
     end = len(order)
@@ -49,7 +50,7 @@ def lifetimes(graph: nx.DiGraph) -> dict:
         # inputs (token ids, positions) are read by every block: they live the whole pass, as outputs do
         last = end if node["output"] or node["op"] == "input" else max(readers, default=position[name])
         buffer = buffer_of(graph, name)
-        first, previous_last = spans.get(buffer, (position[name], last))
+        first, previous_last = spans.get(buffer, (position[written_at(graph, name)], last))
         spans[buffer] = (first, max(last, previous_last))
     return spans
 

@@ -426,7 +426,7 @@ class Engine:
         self._copy_inputs(program, rows, stream)
         for step in program.steps:
             step.run(stream)
-            if program.graph.nodes[step.name]["op"] == "topk":
+            if program.graph.nodes[step.name]["op"] == "moe_route":
                 index = self.moe_blocks.index(tensor_layer(step.name))
                 program.tensors[step.name].copy_to_host(self.decode_ids[index, :rows], stream=stream)
         copy_rows(self.greedy, 0, program.tensors["argmax"], 0, rows, stream)

@@ -4,8 +4,8 @@ import networkx as nx
 import pytest
 
 from codegen.cost import pass_cost
-from codegen.graph import build_pass, nodes_in_order, representative_layers
-from codegen.memory import ARENA_ALIGNMENT_BYTES, full_pass_offsets, lifetimes, plan_arena
+from codegen.graph import build_pass, launch_members, launched, nodes_in_order, representative_layers, written_at
+from codegen.memory import ARENA_ALIGNMENT_BYTES, buffer_of, full_pass_offsets, lifetimes, plan_arena
 from planner.kv import parse_kv_type
 from planner.model import load_model
 from planner.profile import load_profile
@@ -59,6 +59,26 @@ def test_live_tensors_never_share_bytes(qwen, kind, tokens):
             if fa <= lb and fb <= la:
                 assert arena.offsets[a] + arena.sizes[a] <= arena.offsets[b] or \
                     arena.offsets[b] + arena.sizes[b] <= arena.offsets[a], (a, b)
+
+
+@pytest.mark.parametrize("kind, tokens", [("prefill", 64), ("decode", 2)])
+def test_a_fused_launch_writes_its_tensors_where_the_arena_says_they_are_live(qwen, kind, tokens):
+    """q's RoPE rotates k too, a decode window's q launch computes k and v, and its routing launch writes its
+    weights and groups: each such tensor is live from its writer's launch, so nothing the arena places there
+    in between is overwritten."""
+    graph = build_pass(qwen, kind, tokens, KV, layers=range(2))
+    order = {name: i for i, name in enumerate(nodes_in_order(graph))}
+    spans = lifetimes(graph)
+    fused = {"blk.1.k_rope": "blk.1.q_rope"}
+    if kind == "decode":
+        fused |= {"blk.1.k": "blk.1.q", "blk.1.v": "blk.1.q", "blk.1.route_weights": "blk.1.topk",
+                  "blk.1.moe_groups": "blk.1.topk"}
+    for member, writer in fused.items():
+        assert written_at(graph, member) == writer and not launched(graph.nodes[member])
+        assert member in launch_members(graph, writer)
+        assert spans[buffer_of(graph, member)][0] <= order[writer]
+    launches = [name for name in graph if launched(graph.nodes[name]) and name.startswith("blk.1.")]
+    assert len(launches) == (12 if kind == "decode" else 16)     # a qwen3moe block's kernels
 
 
 def test_the_residual_stream_is_one_buffer(qwen):

@@ -9,7 +9,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import EXPERT_TILE_ROWS, moe_groups_length, prefill_tiling
-from codegen.lower import MAX_WINDOW, matmul, moe, weights
+from codegen.lower import MAX_WINDOW, matmul, moe, pointwise, weights
 from codegen.lower.cuda import cuda
 from codegen.lower.word_formats import FORMATS
 from runtime import reference
@@ -140,6 +140,30 @@ def test_decode_rows_do_not_depend_on_rows_per_group_or_chunks_in_flight(rng):
         assert np.array_equal(other, results[0])
 
 
+def check_qkv(rng, n_in, mats, rows):
+    """A decode window's q, k and v in one launch, `mats` their (type, rows, bias?): each output bitwise
+    make_matmul's decode launch of that matrix, which matches the reference."""
+    x = activations(rng, rows, n_in)
+    args, parts, expected = [], [], []
+    for ggml_type, n_out, with_bias in mats:
+        _, w, ref_w = packed_weight(rng, ggml_type, (n_out, n_in))
+        bias = rng.standard_normal(n_out).astype(np.float32) if with_bias else None
+        alone = run_matmul("decode", ggml_type, x, w, bias)
+        assert rel_err(alone, x.astype(np.float64) @ ref_w.T + (0 if bias is None else bias)) < TOL
+        expected.append(alone)
+        out = cuda.to_device(np.full((rows, n_out), np.nan, np.float32))
+        args += [w, cuda.to_device(bias if with_bias else np.zeros(1, np.float32)), out]
+        parts.append(matmul.DecodePart(ggml_type, n_out, with_bias))
+    matmul.make_qkv_matmul(n_in, tuple(parts))(0, cuda.to_device(x), *args)
+    for out, alone in zip(args[2::3], expected):
+        np.testing.assert_array_equal(out.copy_to_host(), alone)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_qkv_launch_gives_each_projection_its_own_launchs_bits(rng, rows):
+    check_qkv(rng, 128, [(T.Q8_0, 48, True), (T.Q4_0, 16, False), (T.F16, 16, True)], rows)
+
+
 def test_decode_swiglu_rows_do_not_depend_on_the_window(rng):
     _, gate, _ = packed_weight(rng, T.Q4_0, (24, 128))
     _, up, _ = packed_weight(rng, T.Q4_0, (24, 128))
@@ -225,6 +249,36 @@ def test_moe_groups_takes_repeated_experts(rng):
 def test_moe_groups_refuses_too_many_experts():
     with pytest.raises(ValueError, match="1..1024 experts"):
         moe.make_moe_groups(2048, 8)
+
+
+@pytest.mark.parametrize("gating, normalize, scale", [("softmax", True, 1.0), ("sigmoid", True, 2.5),
+                                                      ("sigmoid", False, 1.0)])
+@pytest.mark.parametrize("rows", [1, 3, MAX_WINDOW])
+def test_moe_route_is_topk_weights_and_groups_in_one_launch(rng, gating, normalize, scale, rows):
+    """The decode family's routing launch: bitwise the ids and weights of the top-k and route-weight kernels,
+    the groups buffer of the grouping kernel, for any window."""
+    n_expert, k = 24, 4
+    logits = (rng.standard_normal((rows, n_expert)) * 2).astype(np.float32)
+    logits[0, 5] = logits[0, 9]          # a tie: the lower index first
+    bias = ((rng.standard_normal(n_expert) * 0.1).astype(np.float32) if gating == "sigmoid"
+            else np.zeros(1, np.float32))
+    d_logits, d_bias = cuda.to_device(logits), cuda.to_device(bias)
+    ids, route_w = cuda.device_array((rows, k), np.int32), cuda.device_array((rows, k), np.float32)
+    groups = cuda.to_device(np.full(moe_groups_length(n_expert, rows * k), -7, np.int32))
+    moe.make_moe_route(n_expert, k, gating, normalize, scale)(0, d_logits, d_bias, ids, route_w, groups)
+    one_by_one_ids, one_by_one_w = cuda.device_array((rows, k), np.int32), cuda.device_array((rows, k), np.float32)
+    pointwise.make_topk(n_expert, k, gating)(0, d_logits, d_bias, one_by_one_ids)
+    pointwise.make_route_weights(n_expert, k, gating, normalize, scale)(0, d_logits, one_by_one_ids, one_by_one_w)
+    np.testing.assert_array_equal(ids.copy_to_host(), one_by_one_ids.copy_to_host())
+    np.testing.assert_array_equal(route_w.copy_to_host(), one_by_one_w.copy_to_host())
+    expected_ids, _ = reference.route(logits, k, gating, bias if gating == "sigmoid" else None)
+    np.testing.assert_array_equal(ids.copy_to_host(), expected_ids)
+    check_groups(groups, ids.copy_to_host(), n_expert)
+
+
+def test_moe_route_refuses_more_pairs_than_a_block_holds():
+    with pytest.raises(ValueError, match="window"):
+        moe.make_moe_route(1024, 256, "softmax", True, 1.0)
 
 
 def random_q8_0(rng, shape):
@@ -492,6 +546,14 @@ def test_gpu_real_shape(rng, family, ggml_type):
         parts = ((0, 1), (100, 3), (131, 16), (200, 64))
     assert rel_err(expected, x.astype(np.float64) @ ref_w.T) < TOL
     assert_rows_reproduced(family, ggml_type, x, w, expected, parts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, MAX_WINDOW])
+@pytest.mark.parametrize("n_in, n_q, n_kv, with_bias", [(2048, 4096, 512, False), (4096, 12288, 1024, True)],
+                         ids=["qwen3-30b", "glm-4.5-air"])
+def test_gpu_qkv_real_shapes(rng, n_in, n_q, n_kv, with_bias, rows):
+    check_qkv(rng, n_in, [(T.Q8_0, n_q, with_bias), (T.Q8_0, n_kv, with_bias), (T.Q8_0, n_kv, with_bias)], rows)
 
 
 @pytest.mark.gpu

@@ -82,48 +82,56 @@ def test_rmsnorm(rng, n):
 PLACEHOLDER = np.zeros(1, np.float32)       # a RoPE without the norm never reads its weight
 
 
-def check_rope(rng, n_heads, head_dim, n_rot, base, positions, norm=False):
-    """The kernel against the reference (head_rmsnorm, then rope_neox): (launch, its arrays, result)."""
-    x = randn(rng, len(positions), n_heads * head_dim, scale=2.0)
+def check_rope(rng, n_heads, n_k_heads, head_dim, n_rot, base, positions, norm=False):
+    """The kernel against the reference (head_rmsnorm, then rope_neox) on q and k of one launch: (launch, its
+    arrays, [q, k] rotated)."""
+    rows = len(positions)
+    q, k = randn(rng, rows, n_heads * head_dim, scale=2.0), randn(rng, rows, n_k_heads * head_dim, scale=2.0)
     positions = np.asarray(positions, dtype=np.int32)
-    w = randn(rng, head_dim) if norm else PLACEHOLDER
-    launch = pointwise.make_rope(n_heads, head_dim, n_rot, base, EPS if norm else None)
-    got = run(launch, x, w, positions, results=[0])[0]
-    normed = reference.head_rmsnorm(x, w, n_heads, EPS) if norm else x
-    assert rel_l2(got, reference.rope_neox(normed, positions, n_heads, n_rot, base)) < TOLERANCE
-    heads, before = got.reshape(len(x), n_heads, head_dim), normed.reshape(len(x), n_heads, head_dim)
-    if norm and n_rot < head_dim:
-        assert rel_l2(heads[..., n_rot:], before[..., n_rot:]) < TOLERANCE
-    elif not norm:      # dims past the rotation are left as they were
-        np.testing.assert_array_equal(heads[..., n_rot:], before[..., n_rot:])
-    return launch, (x, w, positions), got
+    q_w, k_w = (randn(rng, head_dim), randn(rng, head_dim)) if norm else (PLACEHOLDER, PLACEHOLDER)
+    launch = pointwise.make_rope(n_heads, n_k_heads, head_dim, n_rot, base, EPS if norm else None)
+    arrays = (q, q_w, k, k_w, positions)
+    got = run(launch, *arrays, results=[0, 2])
+    for x, w, heads, rotated in ((q, q_w, n_heads, got[0]), (k, k_w, n_k_heads, got[1])):
+        normed = reference.head_rmsnorm(x, w, heads, EPS) if norm else x
+        assert rel_l2(rotated, reference.rope_neox(normed, positions, heads, n_rot, base)) < TOLERANCE
+        after, before = rotated.reshape(rows, heads, head_dim), normed.reshape(rows, heads, head_dim)
+        if norm and n_rot < head_dim:
+            assert rel_l2(after[..., n_rot:], before[..., n_rot:]) < TOLERANCE
+        elif not norm:      # dims past the rotation are left as they were
+            np.testing.assert_array_equal(after[..., n_rot:], before[..., n_rot:])
+    return launch, arrays, got
 
 
 # full and partial rotary; head dims of one element a thread and of several (300: a partial last step)
-@pytest.mark.parametrize("n_heads, head_dim, n_rot, base", [(3, 32, 32, 10000.0), (3, 32, 16, 1000000.0),
-                                                            (2, 300, 128, 1000000.0)])
+@pytest.mark.parametrize("n_heads, n_k_heads, head_dim, n_rot, base", [(3, 1, 32, 32, 10000.0),
+                                                                       (3, 2, 32, 16, 1000000.0),
+                                                                       (2, 1, 300, 128, 1000000.0)])
 @pytest.mark.parametrize("norm", [False, True], ids=["rope", "norm+rope"])
-def test_rope(rng, n_heads, head_dim, n_rot, base, norm):
+def test_rope(rng, n_heads, n_k_heads, head_dim, n_rot, base, norm):
     positions = [0, 1, int(rng.integers(2, 4096)), 29999, int(rng.integers(30000, 32768))]
-    launch, arrays, got = check_rope(rng, n_heads, head_dim, n_rot, base, positions, norm)
-    np.testing.assert_array_equal(rows_one_by_one(launch, *arrays, results=[0])[0], got)
+    launch, arrays, got = check_rope(rng, n_heads, n_k_heads, head_dim, n_rot, base, positions, norm)
+    for one_by_one, batched in zip(rows_one_by_one(launch, *arrays, results=[0, 2]), got):
+        np.testing.assert_array_equal(one_by_one, batched)
 
 
 def test_rope_norms_each_head_on_its_own(rng):
     n_heads, head_dim = 3, 32
-    launch, (x, w, positions), got = check_rope(rng, n_heads, head_dim, head_dim, 10000.0, [3, 70, 900], norm=True)
-    scaled = x.copy()
+    launch, (q, q_w, k, k_w, positions), (got_q, got_k) = check_rope(rng, n_heads, 2, head_dim, head_dim, 10000.0,
+                                                                     [3, 70, 900], norm=True)
+    scaled = q.copy()
     scaled[:, :head_dim] *= 7
-    again = run(launch, scaled, w, positions, results=[0])[0]
-    np.testing.assert_array_equal(again[:, head_dim:], got[:, head_dim:])
-    assert rel_l2(again[:, :head_dim], got[:, :head_dim]) < TOLERANCE     # a norm does not see a head's scale
+    again_q, again_k = run(launch, scaled, q_w, k, k_w, positions, results=[0, 2])
+    np.testing.assert_array_equal(again_q[:, head_dim:], got_q[:, head_dim:])
+    np.testing.assert_array_equal(again_k, got_k)        # k's heads do not see q's
+    assert rel_l2(again_q[:, :head_dim], got_q[:, :head_dim]) < TOLERANCE     # a norm does not see a head's scale
 
 
 def test_rope_rejects_odd_or_oversized_rotation():
     with pytest.raises(ValueError):
-        pointwise.make_rope(2, 32, 15, 10000.0)
+        pointwise.make_rope(2, 1, 32, 15, 10000.0)
     with pytest.raises(ValueError):
-        pointwise.make_rope(2, 32, 64, 10000.0)
+        pointwise.make_rope(2, 1, 32, 64, 10000.0)
 
 
 # --- concat ------------------------------------------------------------------------------------------------
@@ -259,13 +267,17 @@ def test_gpu_rmsnorm(rng, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_heads, n_rot, base, norm", [(32, 128, 1000000.0, True), (4, 128, 1000000.0, True),
-                                                        (96, 64, 1000000.0, False), (4, 128, 10000.0, False)])
-def test_gpu_rope(rng, n_heads, n_rot, base, norm):
+@pytest.mark.parametrize("n_heads, n_k_heads, n_rot, base, norm", [(32, 4, 128, 1000000.0, True),
+                                                                   (96, 8, 64, 1000000.0, False),
+                                                                   (4, 4, 128, 10000.0, False)])
+def test_gpu_rope(rng, n_heads, n_k_heads, n_rot, base, norm):
     positions = np.sort(rng.integers(0, 32768, 64))
     positions[:2] = [0, 30000]
-    launch, (x, w, positions), got = check_rope(rng, n_heads, 128, n_rot, base, positions, norm)
-    np.testing.assert_array_equal(rows_one_by_one(launch, x[:8], w, positions[:8], results=[0])[0], got[:8])
+    launch, (q, q_w, k, k_w, positions), got = check_rope(rng, n_heads, n_k_heads, 128, n_rot, base, positions,
+                                                          norm)
+    firsts = rows_one_by_one(launch, q[:8], q_w, k[:8], k_w, positions[:8], results=[0, 2])
+    for one_by_one, batched in zip(firsts, got):
+        np.testing.assert_array_equal(one_by_one, batched[:8])
 
 
 @pytest.mark.gpu

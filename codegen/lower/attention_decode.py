@@ -216,6 +216,9 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
         acc = cuda.local.array(acc_size, np.float32)
         k_vals = cuda.local.array((CHUNK_WORDS, k_vpw), np.float32)
         v_vals = cuda.local.array((MAX_V_WORDS, v_vpw), np.float32)
+        nothing = np.int32(0)       # the V rows in flight and their tile's page, before a warp's first active tile
+        v0 = v1 = v2 = v3 = ((nothing, nothing, nothing, nothing), (one, one, one, one))
+        tile_where, tile_host, tile_offset = 0, False, 0
 
         for row in range(q.shape[0]):
             pos = positions[row]
@@ -268,6 +271,18 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                     if lane >= k_lo and lane <= k_hi:
                         for h in range(G):
                             scores[h] = dots[h] * scale
+                    # the tile's first V rows go out now: they do not wait on the scores, so their loads
+                    # fly while the softmax runs
+                    tile_where, tile_host, tile_offset = locate(page_table, t0 + k_lo)
+                    tile_offset -= k_lo
+                    v0 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                 tile_offset, t0, k_lo, k_hi, kv_head, 0, lane)
+                    v1 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                 tile_offset, t0, k_lo, k_hi, kv_head, 1, lane)
+                    v2 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                 tile_offset, t0, k_lo, k_hi, kv_head, 2, lane)
+                    v3 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                 tile_offset, t0, k_lo, k_hi, kv_head, 3, lane)
                 for h in range(G):
                     tile_max[h] = scores[h]
                 warp_max(tile_max, G)
@@ -283,18 +298,9 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                             acc[h * v_per_lane * v_vpw + e] *= alpha
                 syncwarp()
                 if active:
-                    # P V: the tile's positions in order, V_AHEAD positions' words in flight
-                    tile_where, tile_host, tile_offset = locate(page_table, t0 + k_lo)
-                    tile_offset -= k_lo
+                    # P V: the tile's positions in order, V_AHEAD positions' words in flight (the first
+                    # ones since before the softmax)
                     at = probs
-                    v0 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                 tile_offset, t0, k_lo, k_hi, kv_head, 0, lane)
-                    v1 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                 tile_offset, t0, k_lo, k_hi, kv_head, 1, lane)
-                    v2 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                 tile_offset, t0, k_lo, k_hi, kv_head, 2, lane)
-                    v3 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                 tile_offset, t0, k_lo, k_hi, kv_head, 3, lane)
                     for k in range(0, LANES, V_AHEAD):
                         apply_v(v0, scratch, at + k * G, v_vals, acc)
                         v0 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,

@@ -39,6 +39,7 @@ ALIGN = None if SIMULATOR else 16      # shared tiles read as float4 (the simula
 IDX = 1023                             # thread ids masked with this are provably >= 0: no wraparound code
 BIDX = 0x7FFFFFFF
 U = np.uint64                          # hot-loop indices cast to unsigned: numba adds no negative-index code
+SHARED_BYTES = 48 * 1024               # static shared memory a block may use
 
 def check(family: str, ggml_type, n_in: int, n_out: int) -> Format:
     if family not in FAMILIES:
@@ -297,20 +298,21 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
 
 
 @functools.cache
-def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeShape, residual: bool = False):
-    """launch(stream, x, wa, sa, wb, sb, b, out): the decode family's dense kernel (SwiGLU: a = gate,
-    b = up) for any n_out = out.shape[1] and x.shape[0] <= shape.window; residual: out += the product."""
+def decode_rows(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeShape, residual: bool = False):
+    """(rows, rows_a_block, red_shape): the decode family's dense kernel body as a device function
+    rows(x, wa, sa, wb, sb, b, out, block, red), block `block`'s `rows_a_block` output rows of out (rows,
+    n_out = out.shape[1]) for x.shape[0] <= shape.window (SwiGLU: a = gate, b = up; residual: out += the
+    product), red a shared float32 array of red_shape."""
     tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
     n_b = nr if swiglu else 0
     dot, reduce = decode_core(ggml_type, n_in, nr, n_b, tg, shape.unroll, window)
-    red_shape, acc_shape = (groups, (nr + n_b) * window, tg), (nr + n_b, window)
+    acc_shape = (nr + n_b, window)
 
-    @cuda.jit
-    def kernel(x, wa, sa, wb, sb, b, out):
-        red = cuda.shared.array(red_shape, np.float32)
+    @cuda.jit(device=True, inline=True)
+    def rows(x, wa, sa, wb, sb, b, out, block, red):
         t = cuda.threadIdx.x & IDX
         g, lane = t // tg, t % tg
-        n0 = ((cuda.blockIdx.x & BIDX) * groups + g) * nr
+        n0 = (block * groups + g) * nr
         nx, n_out = x.shape[0], out.shape[1]
         xrow = cuda.local.array(window, np.int64)
         for r in range(window):
@@ -330,9 +332,85 @@ def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeS
                     value += out[r, n0 + i]
                 out[r, n0 + i] = value
 
+    # a warp's butterfly leaves its totals in lane 0's slot only
+    return rows, groups * nr, (groups, (nr + n_b) * window, tg if tg > 32 else 1)
+
+
+@functools.cache
+def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeShape, residual: bool = False):
+    """launch(stream, x, wa, sa, wb, sb, b, out): the decode family's dense kernel (`decode_rows`), a block per
+    `rows_a_block` outputs."""
+    rows, rows_a_block, red_shape = decode_rows(ggml_type, n_in, bias, swiglu, shape, residual)
+
+    @cuda.jit
+    def kernel(x, wa, sa, wb, sb, b, out):
+        red = cuda.shared.array(red_shape, np.float32)
+        rows(x, wa, sa, wb, sb, b, out, cuda.blockIdx.x & BIDX, red)
+
     def launch(stream, x, wa, sa, wb, sb, b, out):
         check_aligned("a decode matmul's activations", x)
-        launch_kernel(kernel, -(-out.shape[1] // (groups * nr)), groups * tg, stream, x, wa, sa, wb, sb, b, out)
+        launch_kernel(kernel, -(-out.shape[1] // rows_a_block), shape.groups * shape.tg, stream,
+                      x, wa, sa, wb, sb, b, out)
+    return launch
+
+
+class DecodePart(NamedTuple):
+    """One matrix of a launch that computes several from the same activations (`make_qkv_matmul`)."""
+    ggml_type: T
+    n_out: int
+    bias: bool
+
+
+@functools.cache
+def qkv_kernel(n_in: int, parts: tuple, window: int):
+    """The kernel of `make_qkv_matmul` for windows of up to `window` rows: blocks 0.. compute q's rows, then
+    k's, then v's, each matrix's by its own `decode_rows` (the shape its own launch would take)."""
+    bodies = []
+    for part in parts:
+        shape = decode_shape(FORMATS[part.ggml_type], n_in, part.n_out, window)
+        rows, rows_a_block, red_shape = decode_rows(part.ggml_type, n_in, part.bias, False, shape)
+        bodies.append((rows, -(-part.n_out // rows_a_block), red_shape, shape.groups * shape.tg))
+    (q_rows, q_blocks, q_red, q_threads), (k_rows, k_blocks, k_red, k_threads), \
+        (v_rows, v_blocks, v_red, v_threads) = bodies
+    if not q_threads == k_threads == v_threads:
+        raise ValueError("q, k and v's decode shapes take different block sizes")
+    shared_bytes = 4 * sum(math.prod(red) for _, _, red, _ in bodies)
+    if shared_bytes > SHARED_BYTES:
+        raise ValueError(f"q, k and v of {[p.n_out for p in parts]} rows need {shared_bytes} bytes of shared memory "
+                         f"for a window of {window} (at most {SHARED_BYTES})")
+
+    @cuda.jit
+    def kernel(x, qa, qs, qb, q_out, ka, ks, kb, k_out, va, vs, vb, v_out):
+        block = cuda.blockIdx.x & BIDX
+        if block < q_blocks:        # (the same branch for the whole block)
+            red = cuda.shared.array(q_red, np.float32)
+            q_rows(x, qa, qs, qa, qs, qb, q_out, block, red)
+        elif block < q_blocks + k_blocks:
+            red = cuda.shared.array(k_red, np.float32)
+            k_rows(x, ka, ks, ka, ks, kb, k_out, block - q_blocks, red)
+        else:
+            red = cuda.shared.array(v_red, np.float32)
+            v_rows(x, va, vs, va, vs, vb, v_out, block - q_blocks - k_blocks, red)
+
+    return kernel, q_blocks + k_blocks + v_blocks, q_threads
+
+
+@functools.cache
+def make_qkv_matmul(n_in: int, parts: tuple):
+    """launch(stream, x, q_w, q_b, q_out, k_w, k_b, k_out, v_w, v_b, v_out): a decode window's three attention
+    projections of x (rows, n_in) in one launch, `parts` their DecodeParts; each output bitwise what
+    make_matmul's decode launch of its matrix gives (the same rows body, shape and order). A decode step's
+    q, k and v are too small to fill the GPU one after another (BENCHMARKS.md)."""
+    if len(parts) != 3:
+        raise ValueError(f"q, k and v: three matrices, got {len(parts)}")
+    for part in parts:
+        check("decode", part.ggml_type, n_in, part.n_out)
+
+    def launch(stream, x, q_w, q_b, q_out, k_w, k_b, k_out, v_w, v_b, v_out):
+        check_aligned("a decode matmul's activations", x)
+        kernel, blocks, threads = qkv_kernel(n_in, parts, window_rows(x))
+        launch_kernel(kernel, blocks, threads, stream, x, *words(q_w), q_b, q_out, *words(k_w), k_b, k_out,
+                      *words(v_w), v_b, v_out)
     return launch
 
 

@@ -41,6 +41,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import EXPERT_TILE_ROWS, expert_tiles, tile_cols
+from codegen.lower import MAX_WINDOW, pointwise
 from codegen.lower.cuda import SIMULATOR, cuda, launch_kernel
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
                                   check, check_aligned, decode_core, prefill_core, silu, window_rows, words)
@@ -93,6 +94,23 @@ def _scan(buf, t, levels):
     cuda.syncthreads()
 
 
+@cuda.jit(device=True, inline=True)
+def _offsets_and_active(groups, counts, flags, total, t, levels, n_expert, n_pairs):
+    """The groups buffer's offsets and active list, from the scanned counts (counts[e]: the pairs of experts
+    <= e; thread t's `total`: expert t's own); every thread of the block calls it."""
+    if t < n_expert:
+        groups[t] = counts[t] - total
+    if t == 0:
+        groups[n_expert] = n_pairs
+    flags[t] = 1 if t < n_expert and total > 0 else 0
+    _scan(flags, t, levels)
+    active = n_expert + 1 + n_pairs
+    if t < n_expert and total > 0:
+        groups[active + flags[t]] = t
+    if t == 0:
+        groups[active] = flags[(1 << levels) - 1]
+
+
 @functools.cache
 def make_moe_groups(n_expert: int, k: int):
     """launch(stream, ids, groups): ids int32 (rows, k) -> the groups buffer. A block per expert, each thread a
@@ -113,7 +131,6 @@ def make_moe_groups(n_expert: int, k: int):
         e = cuda.blockIdx.x & BIDX
         threads = 1 << levels
         n_pairs = ids.shape[0] * k
-        active = n_expert + 1 + n_pairs
         counts[t] = 0
         cuda.syncthreads()
         length = -(-n_pairs // threads)
@@ -134,16 +151,7 @@ def make_moe_groups(n_expert: int, k: int):
                 groups[pos] = p
                 pos += 1
         if e == 0:
-            if t < n_expert:
-                groups[t] = counts[t] - total
-            if t == 0:
-                groups[n_expert] = n_pairs
-            flags[t] = 1 if t < n_expert and total > 0 else 0
-            _scan(flags, t, levels)
-            if t < n_expert and total > 0:
-                groups[active + flags[t]] = t
-            if t == 0:
-                groups[active] = flags[threads - 1]
+            _offsets_and_active(groups, counts, flags, total, t, levels, n_expert, n_pairs)
 
     def launch(stream, ids, groups):
         # a thread a pair up to GROUP_THREADS; the simulator, which runs each thread in Python, takes the
@@ -152,6 +160,63 @@ def make_moe_groups(n_expert: int, k: int):
         while threads < max(n_expert, 0 if SIMULATOR else min(ids.shape[0] * k, GROUP_THREADS)):
             threads *= 2
         launch_kernel(kernel, n_expert, threads, stream, ids, groups, threads.bit_length() - 1)
+    return launch
+
+
+@functools.cache
+def make_moe_route(n_expert: int, k: int, gating: str, normalize: bool, scale: float):
+    """launch(stream, logits, bias, ids, weights, groups): a decode window's routing in one launch (a block,
+    the window's rows one after another): each row's top-k ids and route weights by the device functions
+    `make_topk` and `make_route_weights` run (`pointwise.topk_selector`, `pointwise.route_weigher`: the same
+    bits), then their pairs grouped into `make_moe_groups`' buffer (the same values), a thread a pair: three
+    launches of a decode step's block become one."""
+    if not 0 < k <= n_expert <= GROUP_THREADS or MAX_WINDOW * k > GROUP_THREADS:
+        raise ValueError(f"top {k} of {n_expert} experts: one block routes a window of up to {MAX_WINDOW} rows "
+                         f"only for 1..{GROUP_THREADS} experts and pairs")
+    topk = pointwise.topk_selector(n_expert, k, gating)
+    weighing = pointwise.route_weigher(n_expert, k, gating, normalize, scale)
+    parts, select, weigh, weigh_threads = topk.parts, topk.select, weighing.weigh, weighing.threads
+
+    @cuda.jit
+    def kernel(logits, bias, ids, weights, groups, levels):
+        scores = cuda.shared.array(n_expert, np.float32)
+        beaten_by = cuda.shared.array((parts, n_expert), np.int32)
+        chosen = cuda.shared.array(k, np.float32)
+        maxima = cuda.shared.array(weigh_threads, np.float32)
+        where = cuda.shared.array(weigh_threads, np.int32)
+        sums = cuda.shared.array(weigh_threads, np.float32)
+        counts = cuda.shared.array(GROUP_THREADS, np.int32)     # every expert's pairs, then their running sum
+        flags = cuda.shared.array(GROUP_THREADS, np.int32)
+        t = cuda.threadIdx.x & IDX
+        rows = ids.shape[0]
+        for row in range(rows):
+            select(logits, bias, row, ids, scores, beaten_by)
+            cuda.syncthreads()          # the row's ids, for its weights
+            weigh(logits, ids, weights, row, chosen, maxima, where, sums)
+            cuda.syncthreads()          # the next row reuses the shared arrays
+        n_pairs = rows * k
+        counts[t] = 0
+        cuda.syncthreads()
+        expert = ids[t // k, t % k] if t < n_pairs else 0
+        if t < n_pairs:
+            cuda.atomic.add(counts, expert, 1)
+        cuda.syncthreads()
+        total = counts[t]
+        _scan(counts, t, levels)
+        if t < n_pairs:
+            before = 0          # the pair's place among its expert's: pairs ascending
+            for p in range(t):
+                if ids[p // k, p % k] == expert:
+                    before += 1
+            groups[n_expert + 1 + (counts[expert - 1] if expert > 0 else 0) + before] = t
+        _offsets_and_active(groups, counts, flags, total, t, levels, n_expert, n_pairs)
+
+    def launch(stream, logits, bias, ids, weights, groups):
+        rows = window_rows(logits)
+        threads = 32
+        while threads < max(topk.threads, weigh_threads, n_expert, rows * k):
+            threads *= 2
+        launch_kernel(kernel, 1, threads, stream, logits, bias, ids, weights, groups, threads.bit_length() - 1)
     return launch
 
 

@@ -11,6 +11,7 @@ uses them (values held in registers), so a lone row (a decode step) waits for me
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
@@ -264,32 +265,29 @@ def make_rmsnorm(n: int, eps: float):
 
 
 @functools.cache
-def make_rope(n_heads: int, head_dim: int, n_rot: int, base: float, eps: float | None = None):
-    """launch(stream, x, weight, positions): NEOX RoPE in place on x (rows, n_heads * head_dim) at int32
-    positions (rows,): pairs (i, i + n_rot/2) of each head, theta = pos * base^(-2i/n_rot) and its cos/sin in
-    float64, the rotation in float32; dims >= n_rot keep their value. With `eps`, each head is first RMSNormed
-    with weight (head_dim,) (qwen3moe's q/k norm: one launch where a norm and a rotation took two); without,
-    `weight` is a 1-element placeholder, never read.
+def make_rope(n_q_heads: int, n_k_heads: int, head_dim: int, n_rot: int, base: float, eps: float | None = None):
+    """launch(stream, q, q_weight, k, k_weight, positions): NEOX RoPE in place on q (rows, n_q_heads * head_dim)
+    and k (rows, n_k_heads * head_dim) at int32 positions (rows,), in one launch: pairs (i, i + n_rot/2) of
+    each head, theta = pos * base^(-2i/n_rot) and its cos/sin in float64, the rotation in float32; dims >= n_rot
+    keep their value. With `eps`, each head is first RMSNormed with its tensor's weight (head_dim,) (qwen3moe's
+    q/k norm: one launch where two norms and two rotations took four); without, the weights are 1-element
+    placeholders, never read.
 
-    A block per (row, head): each thread loads its values (and weights) before it uses them, sums its squares
-    in index order, then the block's fixed tree adds the threads'; the normed head goes through shared memory,
-    since a rotated value needs its pair's, and pair i's thread writes both of its values."""
+    A block per (row, head), q's heads then k's: each thread loads its values (and weights) before it uses
+    them, sums its squares in index order, then the block's fixed tree adds the threads'; the normed head goes
+    through shared memory, since a rotated value needs its pair's, and pair i's thread writes both of its
+    values."""
     if n_rot % 2 or not 0 < n_rot <= head_dim:
         raise ValueError(f"n_rot {n_rot} must be even and within the head ({head_dim})")
     half = n_rot // 2
+    heads = n_q_heads + n_k_heads
     inv_freq = base ** (-2.0 * np.arange(half) / n_rot)      # float64, as the reference computes it
     normed = eps is not None
     threads, steps, whole, load, normalize = _run_norm(head_dim, eps or 0.0)
 
-    @cuda.jit
-    def kernel(x, weight, positions):
-        block = cuda.blockIdx.x
-        row, first = block // n_heads, (block % n_heads) * head_dim
+    @cuda.jit(device=True, inline=True)
+    def rotate(x, weight, row, first, position, head, partial, values, weights):
         tid = cuda.threadIdx.x
-        head = cuda.shared.array(head_dim, np.float32)
-        partial = cuda.shared.array(threads, np.float32)
-        values = cuda.local.array(steps, np.float32)
-        weights = cuda.local.array(steps, np.float32)
         load(x, row, first, values)
         if normed:
             normalize(values, weights, weight, partial)
@@ -298,7 +296,6 @@ def make_rope(n_heads: int, head_dim: int, n_rot: int, base: float, eps: float |
             if whole or j < head_dim:
                 head[j] = values[u]
         cuda.syncthreads()
-        position = np.float64(positions[row])
         for u in range(steps):
             j = tid + u * threads
             if j < half:        # pair j's thread: its angle once, both rotated values
@@ -309,7 +306,21 @@ def make_rope(n_heads: int, head_dim: int, n_rot: int, base: float, eps: float |
             elif j >= n_rot and (whole or j < head_dim) and normed:
                 x[row, first + j] = values[u]
 
-    return _per_row(kernel, threads, n_heads)
+    @cuda.jit
+    def kernel(q, q_weight, k, k_weight, positions):
+        block = cuda.blockIdx.x
+        row, h = block // heads, block % heads
+        head = cuda.shared.array(head_dim, np.float32)
+        partial = cuda.shared.array(threads, np.float32)
+        values = cuda.local.array(steps, np.float32)
+        weights = cuda.local.array(steps, np.float32)
+        position = np.float64(positions[row])
+        if h < n_q_heads:       # (the same branch for the whole block)
+            rotate(q, q_weight, row, h * head_dim, position, head, partial, values, weights)
+        else:
+            rotate(k, k_weight, row, (h - n_q_heads) * head_dim, position, head, partial, values, weights)
+
+    return _per_row(kernel, threads, heads)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -351,14 +362,22 @@ def _biased_sigmoid_score(logit, bias, expert):
     return _sigmoid(logit) + bias[expert]
 
 
+class TopK(NamedTuple):
+    """A row's top-k as a device function, for the kernels that select (`make_topk`, `moe.make_moe_route`)."""
+    threads: int        # the threads it uses: a block may have more (they only meet its barriers)
+    parts: int          # rows of its `beaten_by` shared array
+    select: object      # select(logits, bias, row, ids, scores, beaten_by): scores (n_expert,) float32 and
+    #                     beaten_by (parts, n_expert) int32 in shared memory
+
+
 @functools.cache
-def make_topk(n_expert: int, k: int, gating: str):
-    """launch(stream, logits, bias, ids): ids (rows, k) int32, the k best experts of each row best first,
-    ties to the lower index; selected on the logits (softmax) or on sigmoid(logit) + bias[e] (sigmoid; bias
-    (n_expert,), a 1-element placeholder for softmax); a NaN score counts as -inf, so non-finite logits still
-    give k distinct experts (no kernel reads past a slot table). An expert's rank is the number of experts that
-    beat it, so the order is exact whatever the block's shape; `parts` groups of threads each count the winners
-    among a slice of the experts (a warp reads one score at a time: a broadcast), then the counts are added."""
+def topk_selector(n_expert: int, k: int, gating: str) -> TopK:
+    """ids[row] (k,) int32, the k best experts of logits[row] best first, ties to the lower index; selected on
+    the logits (softmax) or on sigmoid(logit) + bias[e] (sigmoid; bias (n_expert,), a 1-element placeholder
+    for softmax); a NaN score counts as -inf, so non-finite logits still give k distinct experts (no kernel
+    reads past a slot table). An expert's rank is the number of experts that beat it, so the order is exact
+    whatever the block's shape; `parts` groups of threads each count the winners among a slice of the experts
+    (a warp reads one score at a time: a broadcast), then the counts are added."""
     _check_router(n_expert, k, gating)
     score = _logit_score if gating == "softmax" else _biased_sigmoid_score
     lanes = min(n_expert, ROUTER_THREADS)
@@ -366,27 +385,25 @@ def make_topk(n_expert: int, k: int, gating: str):
     slice_len = -(-n_expert // parts)
     whole = slice_len * parts == n_expert
 
-    @cuda.jit
-    def kernel(logits, bias, ids):
-        row = cuda.blockIdx.x
+    @cuda.jit(device=True, inline=True)
+    def select(logits, bias, row, ids, scores, beaten_by):
         tid = cuda.threadIdx.x
         lane, part = tid % lanes, tid // lanes
-        scores = cuda.shared.array(n_expert, np.float32)
-        beaten_by = cuda.shared.array((parts, n_expert), np.int32)
         if part == 0:
             for e in range(lane, n_expert, lanes):
                 value = score(logits[row, e], bias, e)
                 scores[e] = NEG_INF if value != value else value       # NaN ranks last, so ids stay a permutation
         cuda.syncthreads()
-        for e in range(lane, n_expert, lanes):
-            mine = scores[e]
-            count = 0
-            for o in range(slice_len):
-                other = part * slice_len + o
-                if whole or other < n_expert:
-                    theirs = scores[other]      # _better, without branches
-                    count += (theirs > mine) | ((theirs == mine) & (other < e))
-            beaten_by[part, e] = count
+        if part < parts:
+            for e in range(lane, n_expert, lanes):
+                mine = scores[e]
+                count = 0
+                for o in range(slice_len):
+                    other = part * slice_len + o
+                    if whole or other < n_expert:
+                        theirs = scores[other]      # _better, without branches
+                        count += (theirs > mine) | ((theirs == mine) & (other < e))
+                beaten_by[part, e] = count
         cuda.syncthreads()
         if part == 0:
             for e in range(lane, n_expert, lanes):
@@ -396,40 +413,60 @@ def make_topk(n_expert: int, k: int, gating: str):
                 if rank < k:
                     ids[row, rank] = e
 
-    return _per_row(kernel, lanes * parts)
+    return TopK(lanes * parts, parts, select)
 
 
 @functools.cache
-def make_route_weights(n_expert: int, k: int, gating: str, normalize: bool, scale: float):
-    """launch(stream, logits, ids, weights): weights (rows, k) of the chosen experts ids (rows, k): their
-    softmax probabilities over all n_expert logits (softmax) or unbiased sigmoids (sigmoid); divided by their
-    sum (in slot order) when `normalize`; times `scale`."""
+def make_topk(n_expert: int, k: int, gating: str):
+    """launch(stream, logits, bias, ids): ids (rows, k) int32, each row's `topk_selector`, a block a row."""
+    topk = topk_selector(n_expert, k, gating)
+    parts, select = topk.parts, topk.select
+
+    @cuda.jit
+    def kernel(logits, bias, ids):
+        scores = cuda.shared.array(n_expert, np.float32)
+        beaten_by = cuda.shared.array((parts, n_expert), np.int32)
+        select(logits, bias, cuda.blockIdx.x, ids, scores, beaten_by)
+
+    return _per_row(kernel, topk.threads)
+
+
+class RouteWeights(NamedTuple):
+    """A row's route weights as a device function (`make_route_weights`, `moe.make_moe_route`)."""
+    threads: int        # the threads it uses, and the slots of its shared trees: a block may have more
+    weigh: object       # weigh(logits, ids, weights, row, chosen, maxima, where, sums): chosen (k,) float32,
+    #                     maxima and sums (threads,) float32, where (threads,) int32 in shared memory
+
+
+@functools.cache
+def route_weigher(n_expert: int, k: int, gating: str, normalize: bool, scale: float) -> RouteWeights:
+    """weights[row] (k,) of the chosen experts ids[row]: their softmax probabilities over all n_expert logits
+    (softmax) or unbiased sigmoids (sigmoid); divided by their sum (in slot order) when `normalize`; times
+    `scale`."""
     _check_router(n_expert, k, gating)
     threads = _threads(n_expert, ROUTER_THREADS)
     softmax = gating == "softmax"
     scale32 = np.float32(scale)
 
-    @cuda.jit
-    def kernel(logits, ids, weights):
-        row = cuda.blockIdx.x
+    @cuda.jit(device=True, inline=True)
+    def weigh(logits, ids, weights, row, chosen, maxima, where, sums):
         tid = cuda.threadIdx.x
-        chosen = cuda.shared.array(k, np.float32)
-        maxima = cuda.shared.array(threads, np.float32)
-        where = cuda.shared.array(threads, np.int32)
-        sums = cuda.shared.array(threads, np.float32)
+        mine = tid < threads        # (threads >= n_expert unless capped, so the others have no experts)
         top, total = np.float32(0), np.float32(1)
         if softmax:
             best, best_index = NEG_INF, n_expert
             for e in range(tid, n_expert, threads):
                 if _better(logits[row, e], e, best, best_index):
                     best, best_index = logits[row, e], e
-            maxima[tid], where[tid] = best, best_index
+            if mine:
+                maxima[tid], where[tid] = best, best_index
             _best_tree(maxima, where, tid, threads)
             top = maxima[0]
             partial = np.float32(0)
             for e in range(tid, n_expert, threads):
                 partial += np.float32(math.exp(logits[row, e] - top))
-            sums[tid] = partial
+            if mine:
+                sums[tid] = partial
             total = _sum_tree(sums, tid, threads)
         for slot in range(tid, k, threads):
             logit = logits[row, ids[row, slot]]
@@ -446,6 +483,23 @@ def make_route_weights(n_expert: int, k: int, gating: str, normalize: bool, scal
                     norm += chosen[j]
                 weight = weight / norm
             weights[row, slot] = weight * scale32
+
+    return RouteWeights(threads, weigh)
+
+
+@functools.cache
+def make_route_weights(n_expert: int, k: int, gating: str, normalize: bool, scale: float):
+    """launch(stream, logits, ids, weights): weights (rows, k), each row's `route_weigher`, a block a row."""
+    weighing = route_weigher(n_expert, k, gating, normalize, scale)
+    threads, weigh = weighing.threads, weighing.weigh
+
+    @cuda.jit
+    def kernel(logits, ids, weights):
+        chosen = cuda.shared.array(k, np.float32)
+        maxima = cuda.shared.array(threads, np.float32)
+        where = cuda.shared.array(threads, np.int32)
+        sums = cuda.shared.array(threads, np.float32)
+        weigh(logits, ids, weights, cuda.blockIdx.x, chosen, maxima, where, sums)
 
     return _per_row(kernel, threads)
 

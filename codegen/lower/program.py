@@ -17,14 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codegen.graph import build_pass, nodes_in_order, representative_layers
+from codegen.graph import build_pass, launch_members, launched, nodes_in_order, representative_layers
 from codegen.lower import attention, attention_combine, kv_pages, matmul, moe, pointwise
 from codegen.lower.cuda import cuda
 from codegen.memory import full_pass_offsets, plan_arena
 from planner.architecture import tensor_layer
 
 _DTYPES = {"f32": np.float32, "i32": np.int32}
-_NOT_LAUNCHED = ("input", "select_rows")      # a pass's inputs, and views of a tensor's rows
 
 
 @dataclass(frozen=True)
@@ -150,16 +149,24 @@ class _Lowering:
             return Step(name, pointwise.make_embed(table.ggml_type, hp.n_embd), (inputs[0], table, out))
         if op == "rmsnorm":
             return Step(name, pointwise.make_rmsnorm(shape[1], hp.rms_eps), (inputs[0], self.vector(weights[0]), out))
-        if op == "rope":        # with a weight: each head RMSNormed first (qwen3moe's q/k norm)
-            x, positions = inputs
-            norm = self.vector(weights[0]) if weights else self.f32_placeholder
-            launch = pointwise.make_rope(shape[1] // hp.head_dim_k, hp.head_dim_k, hp.n_rot, hp.rope_base,
-                                         hp.rms_eps if weights else None)
-            return Step(name, launch, (x, norm, positions))
+        if op == "rope":        # q's, which rotates k too; with weights: each head RMSNormed first (qwen3moe)
+            (x, positions), (k_name,) = inputs, node["fuses"]
+            k_node = self.graph.nodes[k_name]
+            q_norm, k_norm = ((self.vector(weights[0]), self.vector(k_node["weights"][0])) if weights
+                              else (self.f32_placeholder, self.f32_placeholder))
+            launch = pointwise.make_rope(shape[1] // hp.head_dim_k, k_node["shape"][1] // hp.head_dim_k,
+                                         hp.head_dim_k, hp.n_rot, hp.rope_base, hp.rms_eps if weights else None)
+            return Step(name, launch, (x, q_norm, self.tensors[k_name], k_norm, positions))
+        if op == "matmul" and "fuses" in node:     # a decode window's q, with k and v
+            args, parts = [], []
+            for member in launch_members(self.graph, name):
+                w, bias = self.matmul_weights(self.graph.nodes[member])
+                args += [w, bias, self.tensors[member]]
+                parts.append(matmul.DecodePart(w.ggml_type, w.shape[-2], len(self.graph.nodes[member]["weights"]) > 1))
+            return Step(name, matmul.make_qkv_matmul(hp.n_embd, tuple(parts)), (inputs[0], *args))
         if op == "matmul":      # in place on the residual stream, where there is one: out is its buffer
-            w = self.weight(weights[0])
+            w, bias = self.matmul_weights(node)
             has_bias = len(weights) > 1
-            bias = self.vector(weights[1]) if has_bias else self.f32_placeholder
             launch = matmul.make_matmul(node.get("family", family), w.ggml_type, w.shape[-1], w.shape[-2], has_bias,
                                         residual=node["inplace"] is not None)
             return Step(name, launch, (inputs[0], w, bias, out))
@@ -179,6 +186,12 @@ class _Lowering:
             launch = pointwise.make_route_weights(hp.n_expert, hp.n_expert_used, gating, node["normalize"],
                                                   node["scale"])
             return Step(name, launch, tuple(inputs) + (out,))
+        if op == "moe_route":   # the decode family's top-k, route weights and groups in one launch
+            bias = self.vector(weights[0]) if weights else self.f32_placeholder
+            weighing = self.graph.nodes[node["fuses"][0]]      # the route weights' node, then the groups'
+            launch = moe.make_moe_route(hp.n_expert, hp.n_expert_used, node["gating"], weighing["normalize"],
+                                        weighing["scale"])
+            return Step(name, launch, (inputs[0], bias, out, *(self.tensors[m] for m in node["fuses"])))
         if op == "argmax":
             return Step(name, pointwise.make_argmax(hp.n_vocab), (inputs[0], out))
         if op == "moe_groups":
@@ -218,6 +231,11 @@ class _Lowering:
             return Step(name, attention_combine.make_attention_combine(hp.n_head, hp.head_dim_v), (inputs[0], out))
         raise ValueError(f"no kernel lowers op {op!r} (node {name})")
 
+    def matmul_weights(self, node: dict) -> tuple:
+        """(weight, bias or the placeholder) of a matmul node."""
+        weights = node["weights"]
+        return self.weight(weights[0]), self.vector(weights[1]) if len(weights) > 1 else self.f32_placeholder
+
     def page_tokens(self, layer: int) -> int:
         return self.kv_pages[layer].page_tokens
 
@@ -246,5 +264,5 @@ def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, aren
         expert_slots = {layer: identity for layer in range(hparams.n_layer)}
     lowering = _Lowering(graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots,
                          host_experts or {}, host_kv or {}, attention_windows or {})
-    names = [name for name in nodes_in_order(graph) if graph.nodes[name]["op"] not in _NOT_LAUNCHED]
+    names = [name for name in nodes_in_order(graph) if launched(graph.nodes[name])]
     return Program(graph, Steps(lowering, names), lowering.tensors)
