@@ -48,6 +48,11 @@ from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THR
 from codegen.lower.word_formats import FORMATS
 
 GROUP_THREADS = 1024    # at most, for make_moe_groups: a block's threads, each a run of consecutive pairs
+# make_moe_route's block: at least 256 threads (the simulator, which runs each as a Python thread: a warp), at
+# most 256: it takes 204 registers a thread (ptxas for sm_90), and 512 or 1024 threads could not have them
+# (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
+ROUTE_THREADS = 32 if SIMULATOR else 256
+MAX_ROUTE_THREADS = 256
 X_TILE = (2, BK, EXPERT_TILE_ROWS + PAD)
 
 
@@ -170,23 +175,28 @@ def make_moe_route(n_expert: int, k: int, gating: str, normalize: bool, scale: f
     `make_topk` and `make_route_weights` run (`pointwise.topk_selector`, `pointwise.route_weigher`: the same
     bits), then their pairs grouped into `make_moe_groups`' buffer (the same values), a thread a pair: three
     launches of a decode step's block become one."""
-    if not 0 < k <= n_expert <= GROUP_THREADS or MAX_WINDOW * k > GROUP_THREADS:
-        raise ValueError(f"top {k} of {n_expert} experts: one block routes a window of up to {MAX_WINDOW} rows "
-                         f"only for 1..{GROUP_THREADS} experts and pairs")
-    topk = pointwise.topk_selector(n_expert, k, gating)
     weighing = pointwise.route_weigher(n_expert, k, gating, normalize, scale)
+    threads = ROUTE_THREADS     # a thread an expert and a pair, at least
+    while threads < max(n_expert, MAX_WINDOW * k, weighing.threads):
+        threads *= 2
+    if not 0 < k <= n_expert or threads > MAX_ROUTE_THREADS:
+        raise ValueError(f"top {k} of {n_expert} experts: one block routes a decode window of up to {MAX_WINDOW} "
+                         f"rows for at most {MAX_ROUTE_THREADS} experts and pairs")
+    # the top-k's ranks are exact counts, the same for any `parts`, so it takes the block's threads
+    topk = pointwise.topk_selector(n_expert, k, gating, threads)
     parts, select, weigh, weigh_threads = topk.parts, topk.select, weighing.weigh, weighing.threads
+    levels = threads.bit_length() - 1
 
     @cuda.jit
-    def kernel(logits, bias, ids, weights, groups, levels):
+    def kernel(logits, bias, ids, weights, groups):
         scores = cuda.shared.array(n_expert, np.float32)
         beaten_by = cuda.shared.array((parts, n_expert), np.int32)
         chosen = cuda.shared.array(k, np.float32)
         maxima = cuda.shared.array(weigh_threads, np.float32)
         where = cuda.shared.array(weigh_threads, np.int32)
         sums = cuda.shared.array(weigh_threads, np.float32)
-        counts = cuda.shared.array(GROUP_THREADS, np.int32)     # every expert's pairs, then their running sum
-        flags = cuda.shared.array(GROUP_THREADS, np.int32)
+        counts = cuda.shared.array(threads, np.int32)     # every expert's pairs, then their running sum
+        flags = cuda.shared.array(threads, np.int32)
         t = cuda.threadIdx.x & IDX
         rows = ids.shape[0]
         for row in range(rows):
@@ -212,11 +222,8 @@ def make_moe_route(n_expert: int, k: int, gating: str, normalize: bool, scale: f
         _offsets_and_active(groups, counts, flags, total, t, levels, n_expert, n_pairs)
 
     def launch(stream, logits, bias, ids, weights, groups):
-        rows = window_rows(logits)
-        threads = 32
-        while threads < max(topk.threads, weigh_threads, n_expert, rows * k):
-            threads *= 2
-        launch_kernel(kernel, 1, threads, stream, logits, bias, ids, weights, groups, threads.bit_length() - 1)
+        window_rows(logits)
+        launch_kernel(kernel, 1, threads, stream, logits, bias, ids, weights, groups)
     return launch
 
 

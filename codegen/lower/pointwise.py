@@ -371,17 +371,17 @@ class TopK(NamedTuple):
 
 
 @functools.cache
-def topk_selector(n_expert: int, k: int, gating: str) -> TopK:
+def topk_selector(n_expert: int, k: int, gating: str, threads: int = ROUTER_THREADS) -> TopK:
     """ids[row] (k,) int32, the k best experts of logits[row] best first, ties to the lower index; selected on
     the logits (softmax) or on sigmoid(logit) + bias[e] (sigmoid; bias (n_expert,), a 1-element placeholder
     for softmax); a NaN score counts as -inf, so non-finite logits still give k distinct experts (no kernel
     reads past a slot table). An expert's rank is the number of experts that beat it, so the order is exact
-    whatever the block's shape; `parts` groups of threads each count the winners among a slice of the experts
-    (a warp reads one score at a time: a broadcast), then the counts are added."""
+    whatever the block's shape; `parts` groups of threads (of at most `threads`) each count the winners among a
+    slice of the experts (a warp reads one score at a time: a broadcast), then the counts are added."""
     _check_router(n_expert, k, gating)
     score = _logit_score if gating == "softmax" else _biased_sigmoid_score
-    lanes = min(n_expert, ROUTER_THREADS)
-    parts = max(1, min(ROUTER_THREADS // n_expert, n_expert // TOPK_MIN_SLICE))
+    lanes = min(n_expert, threads)
+    parts = max(1, min(threads // n_expert, n_expert // TOPK_MIN_SLICE))
     slice_len = -(-n_expert // parts)
     whole = slice_len * parts == n_expert
 
