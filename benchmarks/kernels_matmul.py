@@ -403,26 +403,34 @@ def moe_decode_step(rng, bandwidth, sweep=False):
     from_host = cuda.to_device(np.full(n_expert, -1, np.int32))
     steps = n_expert // k
     order = rng.permutation(n_expert).astype(np.int32)
-    ids = [cuda.to_device(order[s * k:(s + 1) * k].reshape(1, k)) for s in range(steps)]
-    route_w = cuda.to_device(rng.random((1, k), dtype=np.float32))
+    logits = [rng.standard_normal((1, n_expert), dtype=np.float32) for _ in range(steps)]
+    for s, row in enumerate(logits):     # step s routes to its 8 experts of `order`, best first
+        row[0, order[s * k:(s + 1) * k]] = 10.0 - np.arange(k, dtype=np.float32)
+    logits = [cuda.to_device(row) for row in logits]
+    no_bias = cuda.to_device(np.zeros(1, np.float32))
+    ids = [cuda.device_array((1, k), np.int32) for _ in range(steps)]
+    route_w = [cuda.device_array((1, k), np.float32) for _ in range(steps)]
     x = cuda.to_device(rng.standard_normal((1, e_dim), dtype=np.float32))
     groups = [cuda.device_array(moe_groups_length(n_expert, k), np.int32) for _ in range(steps)]
     act = cuda.device_array((k, f_dim), np.float32)
     out = cuda.device_array((1, e_dim), np.float32)
-    make_groups = moe.make_moe_groups(n_expert, k)
+    route = moe.make_moe_route(n_expert, k, "softmax", True, 1.0)
     gate_up = moe.make_moe_swiglu_matmul("decode", T.Q8_0, e_dim, f_dim, n_expert, k)
     down_proj = moe.make_moe_down_matmul("decode", T.Q8_0, f_dim, e_dim, n_expert, k)
     parts = {
-        "groups": lambda s, i: make_groups(s, ids[i], groups[i]),
+        "route (top-k, weights, groups)": lambda s, i: route(s, logits[i], no_bias, ids[i], route_w[i], groups[i]),
         "gate/up": lambda s, i: gate_up(s, x, groups[i], slot_of, dg, du, hg, hu, act),
-        "down": lambda s, i: down_proj(s, act, groups[i], route_w, slot_of, dd, hd, out),
+        "down": lambda s, i: down_proj(s, act, groups[i], route_w[i], slot_of, dd, hd, out),
     }
     host_parts = {
         "gate/up, experts in host memory": lambda s, i: gate_up(s, x, groups[i], from_host, dg, du, hg, hu, act),
-        "down, experts in host memory": lambda s, i: down_proj(s, act, groups[i], route_w, from_host, dd, hd, out),
+        "down, experts in host memory": lambda s, i: down_proj(s, act, groups[i], route_w[i], from_host, dd, hd,
+                                                               out),
     }
     for i in range(steps):
-        make_groups(0, ids[i], groups[i])
+        parts["route (top-k, weights, groups)"](0, i)
+    assert all(np.array_equal(np.sort(ids[s].copy_to_host()[0]), np.sort(order[s * k:(s + 1) * k]))
+               for s in range(steps))
     per_expert = (gate.nbytes + up.nbytes + down.nbytes) // n_expert
     nbytes = k * per_expert + 4 * (e_dim * 2 + k * f_dim * 2)
     step = graph_seconds(launches(lambda s, i: [part(s, i) for part in parts.values()], steps))
@@ -433,7 +441,8 @@ def moe_decode_step(rng, bandwidth, sweep=False):
     chosen = order[:k]
     deq = [weights.dequantize(weights.PackedWeight(T.Q8_0, (k, *p.shape[1:]), p.data[chosen], p.scales[chosen]))
            for p in (gate, up, down)]
-    ref = reference.moe(x.copy_to_host(), np.arange(k)[None], route_w.copy_to_host(), *deq)
+    local_ids = np.array([[list(chosen).index(e) for e in ids[0].copy_to_host()[0]]])   # step 0's, in deq
+    ref = reference.moe(x.copy_to_host(), local_ids, route_w[0].copy_to_host(), *deq)
     from_slots = out.copy_to_host()
     err = rel_err(from_slots, ref)
     for part in host_parts.values():
@@ -449,18 +458,20 @@ def moe_decode_step(rng, bandwidth, sweep=False):
         return
     rows = []
     swiglu_base, down_base = moe.decode_swiglu_shape(1), moe.decode_down_shape(1)
+    gate_strides = moe.expert_strides(T.Q8_0, f_dim, e_dim, 0)
+    down_strides = moe.expert_strides(T.Q8_0, e_dim, f_dim, 0)
     for tg in (32, 64, 128):
         for nr in (1, 2, 4, 8):
             shape = swiglu_base._replace(tg=tg, groups=256 // tg, nr=nr)
             if nr <= 4:
-                kernel = moe.decode_swiglu(T.Q8_0, e_dim, f_dim, n_expert, k, shape)
+                kernel = moe.decode_swiglu(T.Q8_0, e_dim, f_dim, n_expert, k, shape, gate_strides)
                 seconds = graph_seconds(launches(lambda s, i: kernel(s, x, groups[i], slot_of, *matmul.words(dg),
                                                             *matmul.words(du), *matmul.words(dg),
                                                             *matmul.words(du), act), steps))
                 rows.append(("gate/up", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == swiglu_base else ""))
             shape = down_base._replace(tg=tg, groups=256 // tg, nr=nr)
-            kernel = moe.decode_down(T.Q8_0, f_dim, e_dim, n_expert, k, shape)
-            seconds = graph_seconds(launches(lambda s, i: kernel(s, act, groups[i], route_w, slot_of,
+            kernel = moe.decode_down(T.Q8_0, f_dim, e_dim, n_expert, k, shape, down_strides)
+            seconds = graph_seconds(launches(lambda s, i: kernel(s, act, groups[i], route_w[i], slot_of,
                                                                  *matmul.words(dd), *matmul.words(dd), out), steps))
             rows.append(("down", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == down_base else ""))
     table("MoE decode kernels' sweep (one token)", ["kernel", "lanes per row", "rows per group", "us", ""], rows)
