@@ -456,25 +456,28 @@ def moe_decode_step(rng, bandwidth, sweep=False):
           f"{same}", ["kernel", "us"], rows)
     if not sweep:
         return
-    rows = []
     swiglu_base, down_base = moe.decode_swiglu_shape(1), moe.decode_down_shape(1)
     gate_strides = moe.expert_strides(T.Q8_0, f_dim, e_dim, 0)
     down_strides = moe.expert_strides(T.Q8_0, e_dim, f_dim, 0)
-    for tg in (32, 64, 128):
-        for nr in (1, 2, 4, 8):
-            shape = swiglu_base._replace(tg=tg, groups=256 // tg, nr=nr)
-            if nr <= 4:
-                kernel = moe.decode_swiglu(T.Q8_0, e_dim, f_dim, n_expert, k, shape, gate_strides)
-                seconds = graph_seconds(launches(lambda s, i: kernel(s, x, groups[i], slot_of, *matmul.words(dg),
-                                                            *matmul.words(du), *matmul.words(dg),
-                                                            *matmul.words(du), act), steps))
-                rows.append(("gate/up", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == swiglu_base else ""))
-            shape = down_base._replace(tg=tg, groups=256 // tg, nr=nr)
-            kernel = moe.decode_down(T.Q8_0, f_dim, e_dim, n_expert, k, shape, down_strides)
-            seconds = graph_seconds(launches(lambda s, i: kernel(s, act, groups[i], route_w[i], slot_of,
-                                                                 *matmul.words(dd), *matmul.words(dd), out), steps))
-            rows.append(("down", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == down_base else ""))
-    table("MoE decode kernels' sweep (one token)", ["kernel", "lanes per row", "rows per group", "us", ""], rows)
+
+    def sweep_rows():       # each row printed as it is timed: a run cut short keeps what it measured
+        for tg in (32, 64, 128):
+            for nr in (1, 2, 4, 8):
+                shape = swiglu_base._replace(tg=tg, groups=256 // tg, nr=nr)
+                if nr <= 4:
+                    kernel = moe.decode_swiglu(T.Q8_0, e_dim, f_dim, n_expert, k, shape, gate_strides)
+                    seconds = graph_seconds(launches(lambda s, i: kernel(s, x, groups[i], slot_of, *matmul.words(dg),
+                                                                *matmul.words(du), *matmul.words(dg),
+                                                                *matmul.words(du), act), steps))
+                    yield "gate/up", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == swiglu_base else ""
+                shape = down_base._replace(tg=tg, groups=256 // tg, nr=nr)
+                kernel = moe.decode_down(T.Q8_0, f_dim, e_dim, n_expert, k, shape, down_strides)
+                seconds = graph_seconds(launches(lambda s, i: kernel(s, act, groups[i], route_w[i], slot_of,
+                                                                     *matmul.words(dd), *matmul.words(dd), out), steps))
+                yield "down", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == down_base else ""
+
+    table("MoE decode kernels' sweep (one token)", ["kernel", "lanes per row", "rows per group", "us", ""],
+          sweep_rows())
 
 
 def skewed_top_ids(rng, rows: int, n_expert: int, k: int, skew: float = 1.0) -> np.ndarray:
