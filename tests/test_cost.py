@@ -155,13 +155,19 @@ def test_each_streamed_copy_pays_the_copy_latency(qwen):
     assert times["slow", n_cache] == times["base", n_cache]
 
 
+def without_ring_clocks(gpu):
+    """The GPU as a profile whose calibration did not clock the prefill ring's host calls prices them."""
+    return dataclasses.replace(gpu, kernels=dataclasses.replace(
+        gpu.kernels, prefill_ring_copy=KernelFit(), prefill_ring_call=KernelFit(), prefill_ring_block=KernelFit()))
+
+
 def test_a_ring_batch_issues_its_kernels_copies_and_events_each_at_its_own_cost(qwen):
     """A streaming block's batch costs the host its two expert kernels at `kernel_launch`, each copy (data and
     scales of three matrices for a run of streamed experts) at `copy_call` and four event calls at
     `event_call`: making one kind dearer adds that many calls to every batch's issue, and to the chunk's launch
     bound once for each of its batches."""
     from planner.predict import BATCH_EVENT_CALLS, BATCH_KERNELS, COPIES_PER_RUN
-    base = load_profile("h200-141g").gpus[0]
+    base = without_ring_clocks(load_profile("h200-141g").gpus[0])
     extra_s = 7e-6
     issue, launch = {}, {}
     for kind in ("base", "kernel_launch_s", "copy_call_s", "event_call_s"):
@@ -181,7 +187,7 @@ def test_the_ring_calls_measured_in_the_engine_replace_the_microbenchmarks(qwen)
     profile's `copy_call`, `kernel_launch` and `event_call` no longer; each streaming block's routing
     (`prefill_ring_block`) holds its first batch back and adds to the chunk's launch bound once a block."""
     from planner.predict import COPIES_PER_RUN
-    base = load_profile("h200-141g").gpus[0]
+    base = without_ring_clocks(load_profile("h200-141g").gpus[0])
     copy_s, call_s, block_s = 11e-6, 63e-6, 230e-6
     kernels = dataclasses.replace(base.kernels, prefill_ring_copy=KernelFit(latency_s=copy_s),
                                   prefill_ring_call=KernelFit(latency_s=call_s),
