@@ -9,7 +9,7 @@ import pytest
 import codegen.cost as codegen_cost
 from codegen.cost import (expected_tile_rows_per_pair, kernel_family, measured_tile_rows_per_pair, node_tiles,
                           pass_cost, tile_terms, tiled_s, tiled_sm_s)
-from codegen.graph import EXPERT_TILE_ROWS, build_pass, prefill_attention_rows, representative_layers
+from codegen.graph import EXPERT_TILE_ROWS, build_pass, launched, prefill_attention_rows, representative_layers
 from planner.kv import parse_kv_type
 from planner.model import load_model
 from planner.predict import DeviceCost, DeviceShare
@@ -82,6 +82,26 @@ def test_prefills_output_head_row_is_a_decode_family_node(qwen):
     assert families.pop("logits") == "decode_matmul"
     assert graph.nodes["logits"]["shape"] == (1, qwen.hparams.n_vocab)
     assert families and set(families.values()) == {"prefill_matmul"}
+
+
+@pytest.mark.parametrize("kind, tokens", [("decode", 1), ("decode", 4), ("prefill", 64)])
+def test_a_launch_that_computes_several_nodes_is_priced_once(qwen, kind, tokens):
+    """A fused launch (q with k and v, the routing's three tensors, q's RoPE with k's) pays its family's latency
+    once, for the FLOPs and bytes of all its nodes; views and inputs are no launches at all."""
+    gpu = load_profile("h200-141g").gpus[0]
+    graph = build_pass(qwen, kind, tokens, KV, layers=[0])
+    cost = pass_cost(graph, gpu, qwen, [0])
+    launches = [name for name, node in graph.nodes(data=True) if launched(node)]
+    assert cost.n_nodes == len(launches) < len(graph) - 2      # the two inputs, and the fused nodes
+    unfused = graph.copy()
+    for name, node in unfused.nodes(data=True):
+        node.pop("fuses", None)
+        node.pop("launched_by", None)
+    separate = pass_cost(unfused, gpu, qwen, [0])
+    fused_away = {graph.nodes[m]["op"] for name in launches for m in graph.nodes[name].get("fuses", ())}
+    assert fused_away == ({"rope", "matmul", "route_weights", "moe_groups"} if kind == "decode" else {"rope"})
+    assert separate.n_nodes - cost.n_nodes == len(graph) - len(launches) - (3 if kind == "prefill" else 2)
+    assert cost.fixed_s < separate.fixed_s
 
 
 def test_prefill_matmuls_are_priced_by_their_tiles_waves(qwen):
