@@ -228,7 +228,8 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
         if tiling is not None:
             cost.tiled.append((tiling, moved, weights, stands_for.index(rep) if in_moe_block else None, fit))
             continue
-        seconds = fitted_s(fit, np.maximum(flops / gpu.fp32_flops, (moved + weights) / gpu.memory_bandwidth_bytes_per_s))
+        seconds = fitted_s(fit, np.maximum(flops / gpu.fp32_flops,
+                                           (moved + weights) / gpu.memory_bandwidth_bytes_per_s))
         cost.fixed_s += float(seconds.sum())
         if in_moe_block:
             cost.block_fixed_s += float(seconds[stands_for.index(rep)])
@@ -253,10 +254,11 @@ def launch_totals(graph: nx.DiGraph, name: str) -> tuple:
 
 def node_roofline_s(graph: nx.DiGraph, name: str, gpu: GPU, model, context_tokens: int,
                     tile_rows_per_pair: float = 1.0) -> float:
-    """The roofline time of one node's launch (with the nodes it fuses) in a pass graph that holds every block, with `context_tokens` of K/V in
-    VRAM: its FLOPs at the FP32 peak or its bytes at the read bandwidth, whichever is longer (what
-    `pass_cost` charges it, before calibration). A routed-expert node reads the weights of as many experts as
-    its rows can use (k a row, at most all of them), and computes `tile_rows_per_pair` rows a pair."""
+    """The roofline time of one node's launch (with the nodes it fuses) in a pass graph that holds every block,
+    with `context_tokens` of K/V in VRAM: its FLOPs at the FP32 peak or its bytes at the read bandwidth,
+    whichever is longer (what `pass_cost` charges it, before calibration). A routed-expert node reads the
+    weights of as many experts as its rows can use (k a row, at most all of them), and computes
+    `tile_rows_per_pair` rows a pair."""
     node = graph.nodes[name]
     flops, moved, _, weight_bytes = launch_totals(graph, name)
     if node["op"] == "attention":

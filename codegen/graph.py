@@ -123,7 +123,7 @@ class _Builder:
             raise ValueError(f"{writer} cannot compute {members}: {late} run after it")
         nodes[writer]["fuses"] = members
         for member in members:
-            self.graph.nodes[member]["launched_by"] = writer
+            nodes[member]["launched_by"] = writer
 
     def matmul(self, name: str, x: str, weight: str, rows: int, n_in: int, n_out: int, residual: str | None = None,
                **attrs) -> str:

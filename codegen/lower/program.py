@@ -160,9 +160,10 @@ class _Lowering:
         if op == "matmul" and "fuses" in node:     # a decode window's q, with k and v
             args, parts = [], []
             for member in launch_members(self.graph, name):
-                w, bias = self.matmul_weights(self.graph.nodes[member])
+                member_node = self.graph.nodes[member]
+                w, bias = self.matmul_weights(member_node)
                 args += [w, bias, self.tensors[member]]
-                parts.append(matmul.DecodePart(w.ggml_type, w.shape[-2], len(self.graph.nodes[member]["weights"]) > 1))
+                parts.append(matmul.DecodePart(w.ggml_type, w.shape[-2], len(member_node["weights"]) > 1))
             return Step(name, matmul.make_qkv_matmul(hp.n_embd, tuple(parts)), (inputs[0], *args))
         if op == "matmul":      # in place on the residual stream, where there is one: out is its buffer
             w, bias = self.matmul_weights(node)
