@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from codegen.graph import ROUTER_OPS
 from codegen.lower import MAX_WINDOW
 from codegen.lower.cuda import SIMULATOR, CapturedGraph, copy_rows, cuda, kernel_counts
 from codegen.lower.program import arena_layout, lower
@@ -426,7 +427,7 @@ class Engine:
         self._copy_inputs(program, rows, stream)
         for step in program.steps:
             step.run(stream)
-            if program.graph.nodes[step.name]["op"] == "moe_route":
+            if program.graph.nodes[step.name]["op"] in ROUTER_OPS:
                 index = self.moe_blocks.index(tensor_layer(step.name))
                 program.tensors[step.name].copy_to_host(self.decode_ids[index, :rows], stream=stream)
         copy_rows(self.greedy, 0, program.tensors["argmax"], 0, rows, stream)

@@ -1,10 +1,13 @@
 """Pass graphs, their static arena, and the representative-block shortcut the planner takes."""
 
+import dataclasses
+
 import networkx as nx
 import pytest
 
 from codegen.cost import pass_cost
-from codegen.graph import build_pass, launch_members, launched, nodes_in_order, representative_layers, written_at
+from codegen.graph import (ROUTE_BLOCK_THREADS, ROUTER_OPS, build_pass, launch_members, launched, nodes_in_order,
+                           representative_layers, written_at)
 from codegen.memory import ARENA_ALIGNMENT_BYTES, buffer_of, full_pass_offsets, lifetimes, plan_arena
 from planner.kv import parse_kv_type
 from planner.model import load_model
@@ -79,6 +82,16 @@ def test_a_fused_launch_writes_its_tensors_where_the_arena_says_they_are_live(qw
         assert spans[buffer_of(graph, member)][0] <= order[writer]
     launches = [name for name in graph if launched(graph.nodes[name]) and name.startswith("blk.1.")]
     assert len(launches) == (12 if kind == "decode" else 16)     # a qwen3moe block's kernels
+
+
+def test_a_decode_window_routes_in_three_launches_when_its_experts_do_not_fit_one_block(qwen):
+    """The routing launch holds a thread an expert: a model of more experts keeps top-k, route weights and
+    groups apart, as prefill has them."""
+    many = dataclasses.replace(qwen, hparams=dataclasses.replace(qwen.hparams, n_expert=ROUTE_BLOCK_THREADS * 2))
+    for model, op in ((qwen, "moe_route"), (many, "topk")):
+        graph = build_pass(model, "decode", 1, KV, layers=[0])
+        assert graph.nodes["blk.0.topk"]["op"] == op and op in ROUTER_OPS
+        assert launched(graph.nodes["blk.0.moe_groups"]) == (op == "topk")
 
 
 def test_the_residual_stream_is_one_buffer(qwen):

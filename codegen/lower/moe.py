@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.graph import EXPERT_TILE_ROWS, expert_tiles, tile_cols
+from codegen.graph import EXPERT_TILE_ROWS, ROUTE_BLOCK_THREADS, expert_tiles, tile_cols
 from codegen.lower import MAX_WINDOW, pointwise
 from codegen.lower.cuda import SIMULATOR, cuda, launch_kernel
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
@@ -49,10 +49,9 @@ from codegen.lower.word_formats import FORMATS
 
 GROUP_THREADS = 1024    # at most, for make_moe_groups: a block's threads, each a run of consecutive pairs
 # make_moe_route's block: at least 256 threads (the simulator, which runs each as a Python thread: a warp), at
-# most 256: it takes 204 registers a thread (ptxas for sm_90), and 512 or 1024 threads could not have them
-# (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
-ROUTE_THREADS = 32 if SIMULATOR else 256
-MAX_ROUTE_THREADS = 256
+# most ROUTE_BLOCK_THREADS (256): it takes 204 registers a thread (ptxas for sm_90), and 512 or 1024 threads
+# could not have them (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); a model with more experts routes in three launches
+ROUTE_THREADS = 32 if SIMULATOR else ROUTE_BLOCK_THREADS
 X_TILE = (2, BK, EXPERT_TILE_ROWS + PAD)
 
 
@@ -179,9 +178,9 @@ def make_moe_route(n_expert: int, k: int, gating: str, normalize: bool, scale: f
     threads = ROUTE_THREADS     # a thread an expert and a pair, at least
     while threads < max(n_expert, MAX_WINDOW * k, weighing.threads):
         threads *= 2
-    if not 0 < k <= n_expert or threads > MAX_ROUTE_THREADS:
+    if not 0 < k <= n_expert or threads > ROUTE_BLOCK_THREADS:
         raise ValueError(f"top {k} of {n_expert} experts: one block routes a decode window of up to {MAX_WINDOW} "
-                         f"rows for at most {MAX_ROUTE_THREADS} experts and pairs")
+                         f"rows for at most {ROUTE_BLOCK_THREADS} experts and pairs")
     # the top-k's ranks are exact counts, the same for any `parts`, so it takes the block's threads
     topk = pointwise.topk_selector(n_expert, k, gating, threads)
     parts, select, weigh, weigh_threads = topk.parts, topk.select, weighing.weigh, weighing.threads
