@@ -209,7 +209,8 @@ class DeviceCost:
     # --- decode ----------------------------------------------------------------------------------------
     def window_s(self, tokens: int, depth, cache_slots, resident_tokens):
         """One decode window (a step, or the verify of 1 + n) at `depth`: every block's dense weights once, the
-        resident K/V from VRAM, the rest over the link, cache hits from VRAM and misses zero-copy."""
+        resident K/V from VRAM, the rest read by attention from the host copy zero-copy (as prefill's), cache
+        hits from VRAM and misses zero-copy."""
         g = self.gpu
         cost = self.cost("decode", tokens)
         resident = np.minimum(depth, resident_tokens)
@@ -221,7 +222,7 @@ class DeviceCost:
             miss = miss_table.total(cache_slots)
         experts_s = ((total - miss) / g.memory_bandwidth_bytes_per_s
                      + miss / g.zero_copy_read_bytes_per_s) / cost.expert_efficiency
-        streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.host_to_device_bytes_per_s
+        streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.zero_copy_read_bytes_per_s
         return (cost.dense_s(depth, resident) + streamed_kv + experts_s
                 + len(self.moe_blocks) * self.expert_compute_s("decode", tokens)
                 + cost.n_nodes * g.graph_node_overhead_s + self._host_calls_s(WINDOW_HOST_CALLS))

@@ -74,6 +74,24 @@ def test_a_chunk_reading_host_kv_is_slower_by_its_rereads_over_the_link(qwen):
     assert float(from_host - resident) == pytest.approx(host_read_s - float(attention_gap), rel=1e-6)
 
 
+def test_a_decode_step_reads_the_positions_its_ring_lost_from_the_host_copy_zero_copy(qwen):
+    """A decode step at a depth its K/V ring does not hold reads the older positions' K/V from the host copy
+    through mapped memory, as prefill's attention does: their bytes at the zero-copy bandwidth, not the pinned
+    copy's (run 31's 8 GB row at 4096 tokens, priced at the copy's, ran 11% under its prediction)."""
+    gpu = load_profile("h200-141g").gpus[0]
+    gpu = dataclasses.replace(gpu, zero_copy_read_bytes_per_s=gpu.host_to_device_bytes_per_s / 3)
+    share = DeviceShare(0, gpu, tuple(range(qwen.hparams.n_trunk)), True, True)
+    device = DeviceCost(qwen, share, KV, Workload(prompts=((4096, 1.0),), decode_tokens=8), mtp=False)
+    n_cache = qwen.hparams.n_expert * len(device.moe_blocks)
+    depth, ring_tokens = 4096, 1024
+    resident = device.window_s(1, depth, n_cache, depth)
+    from_host = device.window_s(1, depth, n_cache, ring_tokens)
+    cost = device.cost("decode", 1)
+    attention_gap = cost.attention_s(depth, depth) - cost.attention_s(depth, ring_tokens)
+    host_read_s = (depth - ring_tokens) * cost.kv_bytes_per_token / gpu.zero_copy_read_bytes_per_s
+    assert float(from_host - resident) == pytest.approx(host_read_s - float(attention_gap), rel=1e-6)
+
+
 def test_prefills_output_head_row_is_a_decode_family_node(qwen):
     """A prefill chunk's one head row goes through the decode family's GEMV (it reads the weights once; the
     prefill tiles would compute 128 rows): priced as decode_matmul, every other matmul as prefill_matmul."""
