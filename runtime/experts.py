@@ -336,7 +336,9 @@ class ExpertStore:
         new slots once the copies are done (`after_decode_step`)."""
         for index, block in enumerate(self.blocks):
             resident, counts, free = self.resident[block], self.counts[index], self.free[block]
-            order = sorted(range(self.n_expert), key=lambda e: (-counts[e], e))
+            # most routed first, ties to the lower id (a stable sort: 3 us where Python's sorted took 36 for
+            # 128 experts, host time between two decode steps)
+            order = np.argsort(-counts, kind="stable").tolist()
             wanted = order[:len(resident) + len(free)]
             incoming = [e for e in wanted if e not in resident]
             filled = incoming[:len(free)]
