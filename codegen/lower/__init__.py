@@ -4,14 +4,16 @@ Modules (each kernel's reference is the same-named function in `runtime.referenc
   cuda        the only import of numba.cuda (the capability shim)
   weights     GGUF tensors repacked into kernel layouts, the same bytes; upload to the device
   word_formats  a packed weight's 32-bit words decoded to float32, per type (what the matmul cores read)
-  matmul      dense matmuls (bias fused), SwiGLU gate/up, routed experts grouped by expert (prefill and
-              decode families)
+  matmul      dense matmuls (bias fused; a decode window's q, k and v in one launch), SwiGLU gate/up, in the
+              prefill and decode families, and the two cores the routed experts run on
+  moe         routed experts: pairs grouped by expert (a decode window's top-k, route weights and groups in
+              one launch), their gate/up and down, the prefill terms' weighted sum
   kv_pages    the K/V pages: layout (the planner's bytes), element formats, the store (f16, q8_0, q4_0, mixes)
   attention   paged attention over them: the entry point (and the benchmark's earlier kernel);
               attention_prefill and attention_decode the two families' kernels, attention_combine the
               decode splits' merge
-  pointwise   embedding, RMSNorm, per-head RMSNorm, NEOX RoPE, residual adds, concat, router top-k and
-              weights (softmax, sigmoid + bias), argmax
+  pointwise   embedding, RMSNorm, NEOX RoPE of q and k in one launch (with the per-head RMSNorm before it),
+              concat, router top-k and weights (softmax, sigmoid + bias), argmax
   program     a pass graph bound to its kernels, weights, K/V and activation arena, run in order
 
 Conventions every kernel keeps:
