@@ -21,7 +21,8 @@ distinct experts per row), from 0, then adds that sum to the residual stream in 
 add, as the kernel's epilogue).
 
 decode family: a window's rows pick distinct experts each (top-k does), so an expert has at most
-  MAX_WINDOW pairs. gate/up: block (column group, y) computes every pair of the y-th active expert with one
+  MAX_WINDOW pairs. routing (`make_moe_route`): one block selects, weighs and groups the window's pairs, where
+  prefill takes three launches (`pointwise.make_topk`, `pointwise.make_route_weights`, `make_moe_groups`). gate/up: block (column group, y) computes every pair of the y-th active expert with one
   read of its rows. down: a block owns a few output columns; its groups take the active experts in turn,
   each expert's rows read once, the pairs' dots and experts kept in shared memory; then each output is the
   route-weighted sum over the row's experts, ascending. One launch over every expert.
