@@ -112,6 +112,7 @@ def host_page_table_bytes(gpu, pinned_bytes):
     pages = -(-np.asarray(pinned_bytes, dtype=np.int64) // HOST_PAGE_BYTES)
     return pages * gpu.host_page_table_entry_bytes
 
+
 def kv_ring_bytes(pages: int, page_tokens: int, kv_bytes_per_token: int, n_blocks: int) -> int:
     return pages * page_tokens * kv_bytes_per_token * n_blocks
 

@@ -75,7 +75,7 @@ class RingClock:
         self._copy_into_rows(*args)
 
     def copy_in(self, block, matrix, first, count, slot, stream):
-        if not self.on:
+        if not self._streaming:     # a refresh's or a room's copy: not the ring's
             return self._copy_in(block, matrix, first, count, slot, stream)
         started = time.perf_counter()
         self._copy_in(block, matrix, first, count, slot, stream)
