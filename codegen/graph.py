@@ -29,7 +29,6 @@ from typing import NamedTuple
 import networkx as nx
 import numpy as np
 
-from codegen.lower import MAX_WINDOW
 from planner.architecture import HParams
 from planner.kv import KVType, row_bytes
 
@@ -39,7 +38,6 @@ ATTENTION_SPLITS = 64   # tile sets a decode/draft window's attention is split i
 EXPERT_TILE_ROWS = 64   # pair rows of a prefill expert tile (an expert's last one computes all its rows: codegen.cost)
 TILE_WEIGHT_ROWS = 128  # weight rows of a prefill matmul tile (SwiGLU: 64 gate and the same 64 up)
 TILED_OPS = ("matmul", "swiglu_matmul", "moe_swiglu_matmul", "moe_down_matmul")
-ROUTE_BLOCK_THREADS = 256   # a decode window's routing launch: a thread an expert and a (row, slot) pair at most
 ROUTER_OPS = ("topk", "moe_route")      # the ops that write a MoE block's routed ids
 PREFILL_QUERY_VECTORS = 32  # a prefill attention block's query vectors (rows x query heads), padded to a multiple
 ACTIVATION_BYTES = 4    # float32 activations
@@ -204,9 +202,8 @@ class _Builder:
         hp, p, e = self.hp, f"blk.{layer}.", self.hp.n_embd
         k, f = hp.n_expert_used, hp.n_ff_exp
         logits = self.matmul(p + "router", h, p + "ffn_gate_inp", rows, e, hp.n_expert)
-        # a window's few rows fit one block: one launch selects, weighs and groups them (`moe_route`), where
-        # the block holds a thread an expert and a pair (else the three launches prefill takes)
-        route = self.kind != "prefill" and max(hp.n_expert, MAX_WINDOW * k) <= ROUTE_BLOCK_THREADS
+        # one launch selects and weighs the experts; a window's few rows are grouped in it too (`moe_route`)
+        route = self.kind != "prefill"
         ids = self.op(p + "topk", "moe_route" if route else "topk", [logits], (rows, k), dtype="i32",
                       flops=rows * hp.n_expert * k,
                       weights=(p + "exp_probs_b.bias",),
@@ -218,6 +215,8 @@ class _Builder:
                          dtype="i32")
         if route:
             self.fuse(ids, weights, groups)
+        else:
+            self.fuse(ids, weights)
         act = self.op(p + "moe_gate_up", "moe_swiglu_matmul", [h, groups], (rows * k, f),
                       flops=4.0 * rows * k * e * f, weights=(p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"),
                       expert_layer=layer, n_in=e)

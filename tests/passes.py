@@ -4,6 +4,7 @@ size, then decode windows. K/V pages are a plain table (page p in slot p) with r
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
+from codegen.graph import launch_members
 from codegen.lower.kv_pages import kv_arrays
 from codegen.lower.cuda import cuda
 from codegen.lower.program import arena_layout, lower
@@ -104,65 +105,68 @@ def node_errors(runner: PassRunner, kind: str, token_ids, start: int = 0, refere
     for step in program.steps:
         step.run(0)
         cuda.synchronize()
-        node = graph.nodes[step.name]
-        inputs = [host[p] if p in host else program.tensors[p].copy_to_host() if p in program.tensors else None
-                  for p in graph.predecessors(step.name)]
-        w = [model.weights[n] for n in node["weights"]]
-        op, layer = node["op"], step.name.split(".")[1] if step.name.startswith("blk.") else None
-        got = program.tensors[step.name].copy_to_host() if step.name in program.tensors else None
-        if op == "embed":
-            want = w[0][np.asarray(token_ids)]
-        elif op == "rmsnorm":
-            want = ref.rmsnorm(inputs[0], w[0], hp.rms_eps)
-        elif op == "rope":
-            n_heads = inputs[0].shape[1] // hp.head_dim_k
-            normed = ref.head_rmsnorm(inputs[0], w[0], n_heads, hp.rms_eps) if w else inputs[0]
-            want = ref.rope_neox(normed, positions, n_heads, hp.n_rot, hp.rope_base)
-        elif op == "matmul":        # a second input: the residual stream it adds to
-            want = inputs[0] @ w[0].T + (w[1] if len(w) > 1 else 0) + (inputs[1] if len(inputs) > 1 else 0)
-        elif op == "swiglu_matmul":
-            want = ref.swiglu(inputs[0], w[0], w[1])
-        elif op == "kv_store":
-            keys[layer], values[layer] = ref.kv_round(inputs[0], runner.kv.k_type), ref.kv_round(inputs[1], runner.kv.v_type)
-            continue
-        elif op == "attention" and kind == "prefill" and start == 0:
-            want = ref.attention(inputs[0], keys[layer], values[layer], positions, hp.n_head, hp.n_head_kv)
-        elif op == "topk":
-            gating = node["gating"]
-            want = ref.route(inputs[0], hp.n_expert_used, gating, bias=w[0] if w else None)[0]
-        elif op == "route_weights":
-            logits = inputs[0].astype(np.float64)
-            if graph.nodes[f"blk.{layer}.topk"]["gating"] == "softmax":
-                probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-                probs /= probs.sum(axis=1, keepdims=True)
+        for name in launch_members(graph, step.name):     # the launch's own node, then those it computes
+            node = graph.nodes[name]
+            inputs = [host[p] if p in host else program.tensors[p].copy_to_host() if p in program.tensors
+                      else None for p in graph.predecessors(name)]
+            w = [model.weights[n] for n in node["weights"]]
+            op, layer = node["op"], name.split(".")[1] if name.startswith("blk.") else None
+            got = program.tensors[name].copy_to_host() if name in program.tensors else None
+            if op == "embed":
+                want = w[0][np.asarray(token_ids)]
+            elif op == "rmsnorm":
+                want = ref.rmsnorm(inputs[0], w[0], hp.rms_eps)
+            elif op == "rope":
+                n_heads = inputs[0].shape[1] // hp.head_dim_k
+                normed = ref.head_rmsnorm(inputs[0], w[0], n_heads, hp.rms_eps) if w else inputs[0]
+                want = ref.rope_neox(normed, positions, n_heads, hp.n_rot, hp.rope_base)
+            elif op == "matmul":        # a second input: the residual stream it adds to
+                want = inputs[0] @ w[0].T + (w[1] if len(w) > 1 else 0) + (inputs[1] if len(inputs) > 1 else 0)
+            elif op == "swiglu_matmul":
+                want = ref.swiglu(inputs[0], w[0], w[1])
+            elif op == "kv_store":
+                keys[layer] = ref.kv_round(inputs[0], runner.kv.k_type)
+                values[layer] = ref.kv_round(inputs[1], runner.kv.v_type)
+                continue
+            elif op == "attention" and kind == "prefill" and start == 0:
+                want = ref.attention(inputs[0], keys[layer], values[layer], positions, hp.n_head, hp.n_head_kv)
+            elif op == "topk":
+                gating = node["gating"]
+                want = ref.route(inputs[0], hp.n_expert_used, gating, bias=w[0] if w else None)[0]
+            elif op == "route_weights":
+                logits = inputs[0].astype(np.float64)
+                if graph.nodes[f"blk.{layer}.topk"]["gating"] == "softmax":
+                    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+                    probs /= probs.sum(axis=1, keepdims=True)
+                else:
+                    probs = 1 / (1 + np.exp(-logits))
+                want = np.take_along_axis(probs, inputs[1].astype(np.int64), axis=1)
+                if node["normalize"]:
+                    want = want / want.sum(axis=1, keepdims=True)
+                want = want * node["scale"]
+            elif op == "moe_swiglu_matmul":
+                ids = host[f"blk.{layer}.topk"]
+                rows = [ref.swiglu(inputs[0][r:r + 1], w[0][e], w[1][e])[0] for r in range(len(ids)) for e in ids[r]]
+                want = np.stack(rows)
+            elif op == "moe_down_matmul" and kind == "prefill":     # a term per pair, weighed by the combine
+                ids = host[f"blk.{layer}.topk"].reshape(-1)
+                want = np.stack([w[0][e] @ inputs[0][p] for p, e in enumerate(ids)])
+            elif op == "moe_down_matmul":
+                ids, k = host[f"blk.{layer}.topk"], hp.n_expert_used
+                route_w, residual = inputs[2], inputs[4]
+                want = residual + np.stack([sum(route_w[r, j] * (w[0][ids[r, j]] @ inputs[0][r * k + j])
+                                                for j in range(k))
+                                            for r in range(len(ids))])
+            elif op == "moe_combine":
+                terms, _ids, route_w, residual = inputs
+                k = hp.n_expert_used
+                want = residual + np.stack([sum(route_w[r, j] * terms[r * k + j].astype(np.float64) for j in range(k))
+                                            for r in range(len(route_w))])
             else:
-                probs = 1 / (1 + np.exp(-logits))
-            want = np.take_along_axis(probs, inputs[1].astype(np.int64), axis=1)
-            if node["normalize"]:
-                want = want / want.sum(axis=1, keepdims=True)
-            want = want * node["scale"]
-        elif op == "moe_swiglu_matmul":
-            ids = host[f"blk.{layer}.topk"]
-            rows = [ref.swiglu(inputs[0][r:r + 1], w[0][e], w[1][e])[0] for r in range(len(ids)) for e in ids[r]]
-            want = np.stack(rows)
-        elif op == "moe_down_matmul" and kind == "prefill":     # a term per pair, weighed by the combine
-            ids = host[f"blk.{layer}.topk"].reshape(-1)
-            want = np.stack([w[0][e] @ inputs[0][p] for p, e in enumerate(ids)])
-        elif op == "moe_down_matmul":
-            ids, k = host[f"blk.{layer}.topk"], hp.n_expert_used
-            route_w, residual = inputs[2], inputs[4]
-            want = residual + np.stack([sum(route_w[r, j] * (w[0][ids[r, j]] @ inputs[0][r * k + j]) for j in range(k))
-                                        for r in range(len(ids))])
-        elif op == "moe_combine":
-            terms, _ids, route_w, residual = inputs
-            k = hp.n_expert_used
-            want = residual + np.stack([sum(route_w[r, j] * terms[r * k + j].astype(np.float64) for j in range(k))
-                                        for r in range(len(route_w))])
-        else:
-            want = None
-        if got is not None:
-            host[step.name] = got
-        if want is not None:
-            want = np.asarray(want, dtype=np.float64)
-            errors.append((step.name, float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))))
+                want = None
+            if got is not None:
+                host[name] = got
+            if want is not None:
+                want = np.asarray(want, dtype=np.float64)
+                errors.append((name, float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))))
     return errors

@@ -255,8 +255,8 @@ def test_moe_groups_refuses_too_many_experts():
                                                       ("sigmoid", False, 1.0)])
 @pytest.mark.parametrize("rows", [1, 3, MAX_WINDOW])
 def test_moe_route_is_topk_weights_and_groups_in_one_launch(rng, gating, normalize, scale, rows):
-    """The decode family's routing launch: bitwise the ids and weights of the top-k and route-weight kernels,
-    the groups buffer of the grouping kernel, for any window."""
+    """The decode family's routing launch: bitwise the ids and weights of the prefill family's router, the
+    groups buffer of the grouping kernel, for any window."""
     n_expert, k = 24, 4
     logits = (rng.standard_normal((rows, n_expert)) * 2).astype(np.float32)
     logits[0, 5] = logits[0, 9]          # a tie: the lower index first
@@ -267,8 +267,7 @@ def test_moe_route_is_topk_weights_and_groups_in_one_launch(rng, gating, normali
     groups = cuda.to_device(np.full(moe_groups_length(n_expert, rows * k), -7, np.int32))
     moe.make_moe_route(n_expert, k, gating, normalize, scale)(0, d_logits, d_bias, ids, route_w, groups)
     one_by_one_ids, one_by_one_w = cuda.device_array((rows, k), np.int32), cuda.device_array((rows, k), np.float32)
-    pointwise.make_topk(n_expert, k, gating)(0, d_logits, d_bias, one_by_one_ids)
-    pointwise.make_route_weights(n_expert, k, gating, normalize, scale)(0, d_logits, one_by_one_ids, one_by_one_w)
+    pointwise.make_router(n_expert, k, gating, normalize, scale)(0, d_logits, d_bias, one_by_one_ids, one_by_one_w)
     np.testing.assert_array_equal(ids.copy_to_host(), one_by_one_ids.copy_to_host())
     np.testing.assert_array_equal(route_w.copy_to_host(), one_by_one_w.copy_to_host())
     expected_ids, _ = reference.route(logits, k, gating, bias if gating == "sigmoid" else None)
@@ -276,9 +275,9 @@ def test_moe_route_is_topk_weights_and_groups_in_one_launch(rng, gating, normali
     check_groups(groups, ids.copy_to_host(), n_expert)
 
 
-def test_moe_route_refuses_more_pairs_than_a_block_holds():
-    with pytest.raises(ValueError, match="window"):
-        moe.make_moe_route(1024, 256, "softmax", True, 1.0)
+def test_moe_route_refuses_more_experts_than_the_router_takes():
+    with pytest.raises(ValueError, match="1..1024 experts"):
+        moe.make_moe_route(2048, 8, "softmax", True, 1.0)
 
 
 def random_q8_0(rng, shape):

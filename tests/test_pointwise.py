@@ -165,8 +165,15 @@ def router_bias(rng, gating, n_expert):
     return randn(rng, n_expert, scale=0.1) if gating == "sigmoid" else np.zeros(1, np.float32)
 
 
+def route(logits, bias, k, gating, normalize=True, scale=1.0, ids=None):
+    """The router's (ids, weights) of every row."""
+    ids = np.empty((len(logits), k), np.int32) if ids is None else ids
+    launch = pointwise.make_router(logits.shape[1], k, gating, normalize, scale)
+    return run(launch, logits, bias, ids, np.full((len(logits), k), np.nan, np.float32), results=[2, 3])
+
+
 def check_topk(logits, bias, k, gating):
-    ids = run(pointwise.make_topk(logits.shape[1], k, gating), logits, bias, np.empty((len(logits), k), np.int32))
+    ids, _ = route(logits, bias, k, gating)
     expected, _ = reference.route(logits, k, gating, bias if gating == "sigmoid" else None)
     np.testing.assert_array_equal(ids, expected)
 
@@ -196,7 +203,7 @@ def test_topk_ranks_nan_last_so_ids_stay_distinct_experts(rng, gating):
     logits = separated_logits(rng, 3, n_expert, k, gating, bias)
     logits[0, rng.choice(n_expert, size=12, replace=False)] = np.nan     # 4 finite experts, k = 6
     logits[1] = np.nan
-    ids = run(pointwise.make_topk(n_expert, k, gating), logits, bias, np.full((3, k), -7, np.int32))
+    ids, _ = route(logits, bias, k, gating, ids=np.full((3, k), -7, np.int32))
     for row in range(3):
         assert len(set(ids[row])) == k and all(0 <= e < n_expert for e in ids[row])
     finite = np.flatnonzero(~np.isnan(logits[0]))
@@ -209,21 +216,24 @@ def test_topk_ranks_nan_last_so_ids_stay_distinct_experts(rng, gating):
 @pytest.mark.parametrize("gating, normalize, scale", [("softmax", True, 1.0), ("softmax", False, 1.0),
                                                       ("sigmoid", True, 2.5), ("sigmoid", False, 1.0)])
 def test_route_weights(rng, gating, normalize, scale):
-    n_expert, k = 64, 8
+    n_expert, k = 40, 8         # two experts a lane, the second row of lanes partial
     bias = router_bias(rng, gating, n_expert)
-    logits = randn(rng, 4, n_expert, scale=2.0)
-    ids, expected = reference.route(logits, k, gating, bias if gating == "sigmoid" else None, normalize, scale)
-    launch = pointwise.make_route_weights(n_expert, k, gating, normalize, scale)
-    got = run(launch, logits, ids, np.empty((4, k), np.float32))
+    logits = separated_logits(rng, 4, n_expert, k, gating, bias)
+    _, expected = reference.route(logits, k, gating, bias if gating == "sigmoid" else None, normalize, scale)
+    launch = pointwise.make_router(n_expert, k, gating, normalize, scale)
+    arrays = (logits, bias, np.empty((4, k), np.int32), np.empty((4, k), np.float32))
+    got = run(launch, *arrays, results=[3])[0]
     assert rel_l2(got, expected) < TOLERANCE
-    np.testing.assert_array_equal(rows_one_by_one(launch, logits, ids, np.empty((4, k), np.float32)), got)
+    np.testing.assert_array_equal(rows_one_by_one(launch, *arrays, results=[3])[0], got)
 
 
-def test_router_rejects_unknown_gating():
-    with pytest.raises(ValueError):
-        pointwise.make_topk(64, 8, "relu")
-    with pytest.raises(ValueError):
-        pointwise.make_route_weights(64, 8, "relu", True, 1.0)
+def test_router_refuses_unknown_gating_and_too_many_experts():
+    with pytest.raises(ValueError, match="unknown gating 'relu'"):
+        pointwise.make_router(64, 8, "relu", True, 1.0)
+    with pytest.raises(ValueError, match="top 8 of 2048 experts: the router takes 1..1024 experts"):
+        pointwise.make_router(2048, 8, "softmax", True, 1.0)
+    with pytest.raises(ValueError, match="top 9 of 8 experts"):
+        pointwise.make_router(8, 9, "softmax", True, 1.0)
 
 
 # --- argmax ------------------------------------------------------------------------------------------------
@@ -286,10 +296,9 @@ def test_gpu_router(rng, gating):
     n_expert, k, rows = 128, 8, 512
     bias = router_bias(rng, gating, n_expert)
     logits = separated_logits(rng, rows, n_expert, k, gating, bias)
-    check_topk(logits, bias, k, gating)
-    ids, expected = reference.route(logits, k, gating, bias if gating == "sigmoid" else None, True, 2.5)
-    got = run(pointwise.make_route_weights(n_expert, k, gating, True, 2.5), logits, ids,
-              np.empty((rows, k), np.float32))
+    expected_ids, expected = reference.route(logits, k, gating, bias if gating == "sigmoid" else None, True, 2.5)
+    ids, got = route(logits, bias, k, gating, True, 2.5)
+    np.testing.assert_array_equal(ids, expected_ids)
     assert rel_l2(got, expected) < TOLERANCE
 
 

@@ -22,10 +22,11 @@ add, as the kernel's epilogue).
 
 decode family: a window's rows pick distinct experts each (top-k does), so an expert has at most
   MAX_WINDOW pairs. routing (`make_moe_route`): one block selects, weighs and groups the window's pairs, where
-  prefill takes three launches (`pointwise.make_topk`, `pointwise.make_route_weights`, `make_moe_groups`). gate/up: block (column group, y) computes every pair of the y-th active expert with one
-  read of its rows. down: a block owns a few output columns; its groups take the active experts in turn,
-  each expert's rows read once, the pairs' dots and experts kept in shared memory; then each output is the
-  route-weighted sum over the row's experts, ascending. One launch over every expert.
+  prefill takes two launches (`pointwise.make_router`, `make_moe_groups`). gate/up: block (column group, y)
+  computes every pair of the y-th active expert with one read of its rows. down: a block owns a few output
+  columns; its groups take the active experts in turn, each expert's rows read once, the pairs' dots and
+  experts kept in shared memory; then each output is the route-weighted sum over the row's experts,
+  ascending. One launch over every expert.
 prefill family: each expert is a small GEMM over its gathered pairs, tiled by the prefill core; tiles are
   numbered across the experts of the launch's range lo <= e < hi (an in-block scan of the offsets maps a
   block to its expert and tile); pairs of other experts are not touched. gate/up writes a pair's act row,
@@ -41,18 +42,19 @@ from typing import NamedTuple
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.graph import EXPERT_TILE_ROWS, ROUTE_BLOCK_THREADS, expert_tiles, tile_cols
+from codegen.graph import EXPERT_TILE_ROWS, expert_tiles, tile_cols
 from codegen.lower import MAX_WINDOW, pointwise
 from codegen.lower.cuda import SIMULATOR, cuda, launch_kernel
+from codegen.lower.pointwise import WARP
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
                                   check, check_aligned, decode_core, prefill_core, silu, window_rows, words)
 from codegen.lower.word_formats import FORMATS
 
 GROUP_THREADS = 1024    # at most, for make_moe_groups: a block's threads, each a run of consecutive pairs
-# make_moe_route's block: at least 256 threads (the simulator, which runs each as a Python thread: a warp), at
-# most ROUTE_BLOCK_THREADS (256): it takes 204 registers a thread (ptxas for sm_90), and 512 or 1024 threads
-# could not have them (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); a model with more experts routes in three launches
-ROUTE_THREADS = 32 if SIMULATOR else ROUTE_BLOCK_THREADS
+# make_moe_route's block: a warp a window row (the simulator's warp_best waits for the whole block: one warp,
+# which takes the rows in turn)
+ROUTE_WARPS = 1 if SIMULATOR else MAX_WINDOW
+ROUTE_THREADS = ROUTE_WARPS * WARP
 X_TILE = (2, BK, EXPERT_TILE_ROWS + PAD)
 
 
@@ -170,60 +172,60 @@ def make_moe_groups(n_expert: int, k: int):
 
 @functools.cache
 def make_moe_route(n_expert: int, k: int, gating: str, normalize: bool, scale: float):
-    """launch(stream, logits, bias, ids, weights, groups): a decode window's routing in one launch (a block,
-    the window's rows one after another): each row's top-k ids and route weights by the device functions
-    `make_topk` and `make_route_weights` run (`pointwise.topk_selector`, `pointwise.route_weigher`: the same
-    bits), then their pairs grouped into `make_moe_groups`' buffer (the same values), a thread a pair: three
-    launches of a decode step's block become one."""
-    weighing = pointwise.route_weigher(n_expert, k, gating, normalize, scale)
-    threads = ROUTE_THREADS     # a thread an expert and a pair, at least
-    while threads < max(n_expert, MAX_WINDOW * k, weighing.threads):
-        threads *= 2
-    if not 0 < k <= n_expert or threads > ROUTE_BLOCK_THREADS:
-        raise ValueError(f"top {k} of {n_expert} experts: one block routes a decode window of up to {MAX_WINDOW} "
-                         f"rows for at most {ROUTE_BLOCK_THREADS} experts and pairs")
-    # the top-k's ranks are exact counts, the same for any `parts`, so it takes the block's threads
-    topk = pointwise.topk_selector(n_expert, k, gating, threads)
-    parts, select, weigh, weigh_threads = topk.parts, topk.select, weighing.weigh, weighing.threads
-    levels = threads.bit_length() - 1
+    """launch(stream, logits, bias, ids, weights, groups): a decode window's routing in one launch, a block:
+    each row's ids and route weights on its own warp (`pointwise.warp_router`, as prefill's `make_router`
+    runs it: the same bits), then their pairs grouped into `make_moe_groups`' buffer (the same values). The
+    grouping counts straight from the window's ids in shared memory (at most MAX_WINDOW * k pairs), a thread
+    a pair and an expert: an expert's offset is the pairs of lower experts, a pair's place its offset plus the
+    same expert's earlier pairs, an active expert's rank the distinct lower experts; two barriers in all."""
+    route = pointwise.warp_router(n_expert, k, gating, normalize, scale)
+    max_pairs = MAX_WINDOW * k
 
     @cuda.jit
     def kernel(logits, bias, ids, weights, groups):
-        scores = cuda.shared.array(n_expert, np.float32)
-        beaten_by = cuda.shared.array((parts, n_expert), np.int32)
-        chosen = cuda.shared.array(k, np.float32)
-        maxima = cuda.shared.array(weigh_threads, np.float32)
-        where = cuda.shared.array(weigh_threads, np.int32)
-        sums = cuda.shared.array(weigh_threads, np.float32)
-        counts = cuda.shared.array(threads, np.int32)     # every expert's pairs, then their running sum
-        flags = cuda.shared.array(threads, np.int32)
+        chosen = cuda.shared.array((MAX_WINDOW, k), np.int32)
+        first = cuda.shared.array(max_pairs, np.int32)        # 1: the pair is its expert's first
         t = cuda.threadIdx.x & IDX
         rows = ids.shape[0]
-        for row in range(rows):
-            select(logits, bias, row, ids, scores, beaten_by)
-            cuda.syncthreads()          # the row's ids, for its weights
-            weigh(logits, ids, weights, row, chosen, maxima, where, sums)
-            cuda.syncthreads()          # the next row reuses the shared arrays
+        for row in range(t // WARP, rows, ROUTE_WARPS):
+            route(logits, bias, row, chosen, weights)
+        cuda.syncthreads()
         n_pairs = rows * k
-        counts[t] = 0
+        for p in range(t, n_pairs, ROUTE_THREADS):
+            expert = chosen[p // k, p % k]
+            ids[p // k, p % k] = expert
+            below, before = 0, 0
+            for q in range(n_pairs):
+                other = chosen[q // k, q % k]
+                below += other < expert
+                before += (other == expert) & (q < p)
+            groups[n_expert + 1 + below + before] = p
+            first[p] = before == 0
+        for e in range(t, n_expert, ROUTE_THREADS):
+            below = 0
+            for q in range(n_pairs):
+                below += chosen[q // k, q % k] < e
+            groups[e] = below
+        if t == 0:
+            groups[n_expert] = n_pairs
         cuda.syncthreads()
-        expert = ids[t // k, t % k] if t < n_pairs else 0
-        if t < n_pairs:
-            cuda.atomic.add(counts, expert, 1)
-        cuda.syncthreads()
-        total = counts[t]
-        _scan(counts, t, levels)
-        if t < n_pairs:
-            before = 0          # the pair's place among its expert's: pairs ascending
-            for p in range(t):
-                if ids[p // k, p % k] == expert:
-                    before += 1
-            groups[n_expert + 1 + (counts[expert - 1] if expert > 0 else 0) + before] = t
-        _offsets_and_active(groups, counts, flags, total, t, levels, n_expert, n_pairs)
+        active = n_expert + 1 + n_pairs
+        for p in range(t, n_pairs, ROUTE_THREADS):
+            if first[p]:
+                expert = chosen[p // k, p % k]
+                rank = 0
+                for q in range(n_pairs):
+                    rank += first[q] & (chosen[q // k, q % k] < expert)
+                groups[active + 1 + rank] = expert
+        if t == 0:
+            distinct = 0
+            for q in range(n_pairs):
+                distinct += first[q]
+            groups[active] = distinct
 
     def launch(stream, logits, bias, ids, weights, groups):
         window_rows(logits)
-        launch_kernel(kernel, 1, threads, stream, logits, bias, ids, weights, groups)
+        launch_kernel(kernel, 1, ROUTE_THREADS, stream, logits, bias, ids, weights, groups)
     return launch
 
 

@@ -3,28 +3,30 @@ top-k and route weights, argmax. (The residual adds are the epilogues of the pro
 halves: `codegen.lower.matmul`, `codegen.lower.moe`.)
 
 Every kernel gives each row (or each row's head) its own block, or its own threads for the elementwise ones,
-so a row's result never depends on how many rows the launch holds; the reductions (sum of squares, softmax
-max and sum, argmax) add each thread's elements in index order, then combine the threads through shared
-memory in one fixed tree. Block sizes come from the constants alone. Each thread issues its loads before it
-uses them (values held in registers), so a lone row (a decode step) waits for memory once, not per element.
+or its own warp for the router, so a row's result never depends on how many rows the launch holds; the
+reductions (sum of squares, argmax) add each thread's elements in index order, then combine the threads
+through shared memory in one fixed tree (the router's softmax sum: a warp's fixed butterfly). Block sizes
+come from the constants alone. Each thread issues its loads before it uses them (values held in registers),
+so a lone row (a decode step) waits for memory once, not per element.
 """
 
 import functools
 import math
-from typing import NamedTuple
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import bits_to_f32, cuda, launch_kernel
+from codegen.lower.cuda import (SIMULATOR, better, bits_to_f32, cuda, launch_kernel, warp_best,
+                                warp_sum)
 from codegen.lower.weights import QUANT_BLOCK
 
 WARP = 32
 ELEMENTWISE_THREADS = 256
 EMBED_THREADS = 256      # at most, per embedded row
 NORM_THREADS = 256       # at most, per row of an RMSNorm or head of a RoPE
-ROUTER_THREADS = 1024    # at most, per router row
-TOPK_MIN_SLICE = 16      # experts a top-k thread compares with, at least (fewer threads for few experts)
+ROUTER_WARPS = 1 if SIMULATOR else 4   # rows a router block takes, a warp each (the simulator's warp_best
+#                                        waits for the whole block, so its blocks hold one row)
+MAX_ROUTER_EXPERTS = 32 * 32            # a lane holds at most 32 experts (its `taken` bits)
 ARGMAX_THREADS = 1024    # at most, per argmax row
 ARGMAX_UNROLL = 16       # independent loads in flight per thread and step
 ARGMAX_MIN_LOADS = 4     # fewer threads (down to a warp) for short rows: at least this many steps' worth each
@@ -44,8 +46,8 @@ def _threads(count: int, cap: int) -> int:
 def _check_router(n_expert: int, k: int, gating: str) -> None:
     if gating not in GATINGS:
         raise ValueError(f"unknown gating {gating!r}; expected one of {GATINGS}")
-    if not 0 < k <= n_expert:
-        raise ValueError(f"top {k} of {n_expert} experts")
+    if not 0 < k <= n_expert <= MAX_ROUTER_EXPERTS:
+        raise ValueError(f"top {k} of {n_expert} experts: the router takes 1..{MAX_ROUTER_EXPERTS} experts")
 
 
 def _per_row(kernel, threads: int, blocks_per_row: int = 1):
@@ -73,18 +75,12 @@ def _sum_tree(partial, tid, threads):
 
 
 @cuda.jit(device=True, inline=True)
-def _better(value, index, best, best_index):
-    """Whether (value, index) beats (best, best_index): larger, or equal at a lower index."""
-    return value > best or (value == best and index < best_index)
-
-
-@cuda.jit(device=True, inline=True)
 def _best_tree(values, indices, tid, threads):
     """Leaves the largest of values[:threads] and its lowest index in values[0], indices[0]."""
     stride = threads // 2
     while stride > 0:
         cuda.syncthreads()
-        if tid < stride and _better(values[tid + stride], indices[tid + stride], values[tid], indices[tid]):
+        if tid < stride and better(values[tid + stride], indices[tid + stride], values[tid], indices[tid]):
             values[tid] = values[tid + stride]
             indices[tid] = indices[tid + stride]
         stride //= 2
@@ -362,146 +358,102 @@ def _biased_sigmoid_score(logit, bias, expert):
     return _sigmoid(logit) + bias[expert]
 
 
-class TopK(NamedTuple):
-    """A row's top-k as a device function, for the kernels that select (`make_topk`, `moe.make_moe_route`)."""
-    threads: int        # the threads it uses: a block may have more (they only meet its barriers)
-    parts: int          # rows of its `beaten_by` shared array
-    select: object      # select(logits, bias, row, ids, scores, beaten_by): scores (n_expert,) float32 and
-    #                     beaten_by (parts, n_expert) int32 in shared memory
-
-
 @functools.cache
-def topk_selector(n_expert: int, k: int, gating: str, threads: int = ROUTER_THREADS) -> TopK:
-    """ids[row] (k,) int32, the k best experts of logits[row] best first, ties to the lower index; selected on
-    the logits (softmax) or on sigmoid(logit) + bias[e] (sigmoid; bias (n_expert,), a 1-element placeholder
-    for softmax); a NaN score counts as -inf, so non-finite logits still give k distinct experts (no kernel
-    reads past a slot table). An expert's rank is the number of experts that beat it, so the order is exact
-    whatever the block's shape; `parts` groups of threads (of at most `threads`) each count the winners among a
-    slice of the experts (a warp reads one score at a time: a broadcast), then the counts are added."""
+def warp_router(n_expert: int, k: int, gating: str, normalize: bool, scale: float):
+    """route(logits, bias, row, ids, weights): one warp's routing of logits[row] (every lane calls it).
+
+    ids[row] (k,) int32: the k best experts, best first, ties to the lower index, selected on the logits
+    (softmax) or on sigmoid(logit) + bias[e] (sigmoid; bias (n_expert,), a 1-element placeholder for
+    softmax); a NaN score counts as -inf, so non-finite logits still give k distinct experts (no kernel reads
+    past a slot table). Lane l holds experts l, l + 32, ... in registers; each of k rounds takes every lane's
+    best expert not yet chosen and keeps the warp's best (`warp_best`: exact, so the ids never depend on how
+    the rows are launched). `ids` may be a shared array (`moe.make_moe_route` groups from it).
+
+    weights[row] (k,) float32: the chosen experts' softmax probabilities over all n_expert logits (each lane
+    adds its experts' exp in order, then `warp_sum`'s fixed butterfly) or their unbiased sigmoids; divided by
+    their sum (in slot order) when `normalize`; times `scale`.
+
+    Why a warp: the block-wide version (a thread an expert, ranks counted in shared memory, then shared-memory
+    trees for the max and the sum) waited on a dozen barriers and read the logits from memory three times:
+    8.1 us a decode block as one launch with the grouping (BENCHMARKS.md, runs 31-32)."""
     _check_router(n_expert, k, gating)
     score = _logit_score if gating == "softmax" else _biased_sigmoid_score
-    lanes = min(n_expert, threads)
-    parts = max(1, min(threads // n_expert, n_expert // TOPK_MIN_SLICE))
-    slice_len = -(-n_expert // parts)
-    whole = slice_len * parts == n_expert
-
-    @cuda.jit(device=True, inline=True)
-    def select(logits, bias, row, ids, scores, beaten_by):
-        tid = cuda.threadIdx.x
-        lane, part = tid % lanes, tid // lanes
-        if part == 0:
-            for e in range(lane, n_expert, lanes):
-                value = score(logits[row, e], bias, e)
-                scores[e] = NEG_INF if value != value else value       # NaN ranks last, so ids stay a permutation
-        cuda.syncthreads()
-        if part < parts:
-            for e in range(lane, n_expert, lanes):
-                mine = scores[e]
-                count = 0
-                for o in range(slice_len):
-                    other = part * slice_len + o
-                    if whole or other < n_expert:
-                        theirs = scores[other]      # _better, without branches
-                        count += (theirs > mine) | ((theirs == mine) & (other < e))
-                beaten_by[part, e] = count
-        cuda.syncthreads()
-        if part == 0:
-            for e in range(lane, n_expert, lanes):
-                rank = 0
-                for p in range(parts):
-                    rank += beaten_by[p, e]
-                if rank < k:
-                    ids[row, rank] = e
-
-    return TopK(lanes * parts, parts, select)
-
-
-@functools.cache
-def make_topk(n_expert: int, k: int, gating: str):
-    """launch(stream, logits, bias, ids): ids (rows, k) int32, each row's `topk_selector`, a block a row."""
-    topk = topk_selector(n_expert, k, gating)
-    parts, select = topk.parts, topk.select
-
-    @cuda.jit
-    def kernel(logits, bias, ids):
-        scores = cuda.shared.array(n_expert, np.float32)
-        beaten_by = cuda.shared.array((parts, n_expert), np.int32)
-        select(logits, bias, cuda.blockIdx.x, ids, scores, beaten_by)
-
-    return _per_row(kernel, topk.threads)
-
-
-class RouteWeights(NamedTuple):
-    """A row's route weights as a device function (`make_route_weights`, `moe.make_moe_route`)."""
-    threads: int        # the threads it uses, and the slots of its shared trees: a block may have more
-    weigh: object       # weigh(logits, ids, weights, row, chosen, maxima, where, sums): chosen (k,) float32,
-    #                     maxima and sums (threads,) float32, where (threads,) int32 in shared memory
-
-
-@functools.cache
-def route_weigher(n_expert: int, k: int, gating: str, normalize: bool, scale: float) -> RouteWeights:
-    """weights[row] (k,) of the chosen experts ids[row]: their softmax probabilities over all n_expert logits
-    (softmax) or unbiased sigmoids (sigmoid); divided by their sum (in slot order) when `normalize`; times
-    `scale`."""
-    _check_router(n_expert, k, gating)
-    threads = _threads(n_expert, ROUTER_THREADS)
+    per_lane = -(-n_expert // WARP)
+    whole = per_lane * WARP == n_expert
     softmax = gating == "softmax"
     scale32 = np.float32(scale)
+    none = np.int32(n_expert)           # an index no expert has: it loses every tie
 
     @cuda.jit(device=True, inline=True)
-    def weigh(logits, ids, weights, row, chosen, maxima, where, sums):
-        tid = cuda.threadIdx.x
-        mine = tid < threads        # (threads >= n_expert unless capped, so the others have no experts)
-        top, total = np.float32(0), np.float32(1)
+    def route(logits, bias, row, ids, weights):
+        lane = cuda.threadIdx.x % WARP
+        raw = cuda.local.array(per_lane, np.float32)
+        scores = cuda.local.array(per_lane, np.float32)
+        chosen = cuda.local.array(k, np.int32)
+        chosen_weights = cuda.local.array(k, np.float32)
+        total = cuda.local.array(1, np.float32)
+        for i in range(per_lane):       # every load in flight before the first use
+            e = lane + WARP * i
+            raw[i] = logits[row, e] if whole or e < n_expert else NEG_INF
+        for i in range(per_lane):
+            e = lane + WARP * i
+            value = score(raw[i], bias, e) if whole or e < n_expert else NEG_INF
+            scores[i] = NEG_INF if value != value else value       # NaN ranks last, so ids stay a permutation
+        taken = 0
+        top = NEG_INF
+        for slot in range(k):
+            best, best_index = NEG_INF, none
+            for i in range(per_lane):
+                e = np.int32(lane + WARP * i)
+                if (whole or e < n_expert) and not (taken >> i) & 1 and better(scores[i], e, best, best_index):
+                    best, best_index = scores[i], e
+            best, best_index = warp_best(best, best_index)
+            chosen[slot] = best_index
+            if slot == 0:
+                top = best
+            for i in range(per_lane):
+                if best_index == lane + WARP * i:
+                    taken |= 1 << i
         if softmax:
-            best, best_index = NEG_INF, n_expert
-            for e in range(tid, n_expert, threads):
-                if _better(logits[row, e], e, best, best_index):
-                    best, best_index = logits[row, e], e
-            if mine:
-                maxima[tid], where[tid] = best, best_index
-            _best_tree(maxima, where, tid, threads)
-            top = maxima[0]
             partial = np.float32(0)
-            for e in range(tid, n_expert, threads):
-                partial += np.float32(math.exp(logits[row, e] - top))
-            if mine:
-                sums[tid] = partial
-            total = _sum_tree(sums, tid, threads)
-        for slot in range(tid, k, threads):
-            logit = logits[row, ids[row, slot]]
+            for i in range(per_lane):
+                if whole or lane + WARP * i < n_expert:
+                    partial += np.float32(math.exp(raw[i] - top))
+            total[0] = partial
+            warp_sum(total, 1)
+        norm = np.float32(0)
+        for slot in range(k):
+            logit = logits[row, chosen[slot]]       # (the same address in every lane: one load)
             if softmax:
-                chosen[slot] = np.float32(math.exp(logit - top)) / total
+                chosen_weights[slot] = np.float32(math.exp(logit - top)) / total[0]
             else:
-                chosen[slot] = _sigmoid(logit)
-        cuda.syncthreads()
-        for slot in range(tid, k, threads):
-            weight = chosen[slot]
-            if normalize:
-                norm = np.float32(0)
-                for j in range(k):
-                    norm += chosen[j]
-                weight = weight / norm
-            weights[row, slot] = weight * scale32
+                chosen_weights[slot] = _sigmoid(logit)
+            norm += chosen_weights[slot]
+        for slot in range(k):
+            if lane == slot % WARP:
+                ids[row, slot] = chosen[slot]
+                weight = chosen_weights[slot] / norm if normalize else chosen_weights[slot]
+                weights[row, slot] = weight * scale32
 
-    return RouteWeights(threads, weigh)
+    return route
 
 
 @functools.cache
-def make_route_weights(n_expert: int, k: int, gating: str, normalize: bool, scale: float):
-    """launch(stream, logits, ids, weights): weights (rows, k), each row's `route_weigher`, a block a row."""
-    weighing = route_weigher(n_expert, k, gating, normalize, scale)
-    threads, weigh = weighing.threads, weighing.weigh
+def make_router(n_expert: int, k: int, gating: str, normalize: bool, scale: float):
+    """launch(stream, logits, bias, ids, weights): ids (rows, k) int32 and weights (rows, k) float32, each
+    row's `warp_router` on its own warp, ROUTER_WARPS rows a block."""
+    route = warp_router(n_expert, k, gating, normalize, scale)
 
     @cuda.jit
-    def kernel(logits, ids, weights):
-        chosen = cuda.shared.array(k, np.float32)
-        maxima = cuda.shared.array(threads, np.float32)
-        where = cuda.shared.array(threads, np.int32)
-        sums = cuda.shared.array(threads, np.float32)
-        weigh(logits, ids, weights, cuda.blockIdx.x, chosen, maxima, where, sums)
+    def kernel(logits, bias, ids, weights):
+        row = cuda.blockIdx.x * ROUTER_WARPS + cuda.threadIdx.x // WARP
+        if row < logits.shape[0]:       # (the whole warp)
+            route(logits, bias, row, ids, weights)
 
-    return _per_row(kernel, threads)
+    def launch(stream, logits, bias, ids, weights):
+        launch_kernel(kernel, -(-logits.shape[0] // ROUTER_WARPS), ROUTER_WARPS * WARP, stream, logits, bias,
+                      ids, weights)
+    return launch
 
 
 # ---------------------------------------------------------------------------------------------------------

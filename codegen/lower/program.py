@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codegen.graph import build_pass, launch_members, launched, nodes_in_order, representative_layers
+from codegen.graph import ROUTER_OPS, build_pass, launch_members, launched, nodes_in_order, representative_layers
 from codegen.lower import attention, attention_combine, kv_pages, matmul, moe, pointwise
 from codegen.lower.cuda import cuda
 from codegen.memory import full_pass_offsets, plan_arena
@@ -178,20 +178,11 @@ class _Lowering:
         if op == "concat":
             a, b = inputs
             return Step(name, pointwise.make_concat(a.shape[1], b.shape[1]), (a, b, out))
-        if op == "topk":
+        if op in ROUTER_OPS:    # top-k and route weights; a decode window's groups too (moe_route)
             bias = self.vector(weights[0]) if weights else self.f32_placeholder
-            return Step(name, pointwise.make_topk(hp.n_expert, hp.n_expert_used, node["gating"]),
-                        (inputs[0], bias, out))
-        if op == "route_weights":
-            gating = self.graph.nodes[f"blk.{layer}.topk"]["gating"]
-            launch = pointwise.make_route_weights(hp.n_expert, hp.n_expert_used, gating, node["normalize"],
-                                                  node["scale"])
-            return Step(name, launch, tuple(inputs) + (out,))
-        if op == "moe_route":   # the decode family's top-k, route weights and groups in one launch
-            bias = self.vector(weights[0]) if weights else self.f32_placeholder
-            weighing = self.graph.nodes[node["fuses"][0]]      # the route weights' node, then the groups'
-            launch = moe.make_moe_route(hp.n_expert, hp.n_expert_used, node["gating"], weighing["normalize"],
-                                        weighing["scale"])
+            weighing = self.graph.nodes[node["fuses"][0]]      # the route weights' node (then the groups')
+            make = moe.make_moe_route if op == "moe_route" else pointwise.make_router
+            launch = make(hp.n_expert, hp.n_expert_used, node["gating"], weighing["normalize"], weighing["scale"])
             return Step(name, launch, (inputs[0], bias, out, *(self.tensors[m] for m in node["fuses"])))
         if op == "argmax":
             return Step(name, pointwise.make_argmax(hp.n_vocab), (inputs[0], out))
