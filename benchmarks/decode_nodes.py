@@ -3,7 +3,7 @@
 nodes run back to back, as in the replayed graph); each node's median time, its share of the step, and the
 totals by kind of node. The step runs after a prompt, so attention reads that many positions.
 
-    NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/decode_nodes.py --layers 6 --prompt-tokens 1984
+    NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/decode_nodes.py --layers 6 --prompt-tokens 512 1984 16384
 """
 
 import argparse
@@ -33,23 +33,31 @@ def node_times_us(engine, repeats: int) -> tuple[list, np.ndarray, float]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--prompt-tokens", type=int, default=1984)
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1984])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     read = read_bandwidth_bytes_per_s()
     print(f"{device_name()}: read {read / 1e12:.2f} TB/s")
     rng = np.random.default_rng(0)
+    timed = []
     with tempfile.TemporaryDirectory() as tmp:
         card = reduced_card(args.layers, Path(tmp))
-        workload = Workload(prompts=((args.prompt_tokens, 1.0),), decode_tokens=8)
-        plan = solve("h200-141g", card, context=CONTEXT, kv="f16", workload=workload)
+        workload = Workload(prompts=tuple((tokens, 1.0) for tokens in args.prompt_tokens), decode_tokens=8)
+        context = max(CONTEXT, max(args.prompt_tokens) + 1024)
+        plan = solve("h200-141g", card, context=context, kv="f16", workload=workload)
         with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0)) as engine:
-            engine.generate(rng.integers(0, engine.hp.n_vocab, size=args.prompt_tokens).tolist(), 2)
-            steps, times, whole_s = node_times_us(engine, args.repeats)
             graph = engine._program("decode", 1).graph
+            for tokens in args.prompt_tokens:       # each a fresh prompt: the step reads that many positions
+                engine.generate(rng.integers(0, engine.hp.n_vocab, size=tokens).tolist(), 2)
+                timed.append((tokens, *node_times_us(engine, args.repeats)))
+    for tokens, steps, times, whole_s in timed:
+        print_nodes(graph, tokens, args.layers, steps, times, whole_s)
+
+
+def print_nodes(graph, prompt_tokens: int, layers: int, steps, times, whole_s: float) -> None:
     median = np.median(times, axis=0)
     total = median.sum()
-    print(f"decode step after {args.prompt_tokens} tokens, {args.layers} blocks: {len(steps)} nodes, "
+    print(f"\ndecode step after {prompt_tokens} tokens, {layers} blocks: {len(steps)} nodes, "
           f"{total:.1f} us with events between nodes, {whole_s * 1e6:.1f} us replayed without")
     print("| node | op | us | share |")
     print("| --- | --- | ---: | ---: |")
@@ -63,7 +71,6 @@ def main():
     print("| --- | ---: | ---: |")
     for op, us in sorted(by_op.items(), key=lambda item: -item[1]):
         print(f"| {op} | {us:.1f} | {us / total:.1%} |")
-
 
 if __name__ == "__main__":
     main()

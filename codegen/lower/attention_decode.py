@@ -51,7 +51,7 @@ LANES = 32                  # = positions a tile
 SHARED_BYTES = 48 * 1024    # static shared memory a block may use
 CHUNK_WORDS = 4             # a lane's load of a K row: 16 bytes (`load4`)
 K_AHEAD = 4                 # chunks of its K row a lane has in flight (the kernel names four)
-V_AHEAD = 4                 # positions whose V words a lane has in flight (the kernel names four)
+V_AHEAD = 8                 # positions whose V words a lane has in flight (the kernel names eight)
 MAX_V_WORDS = 4             # words of a V row a lane sums at most (f16: head dim 256)
 
 NEG_INF = np.float32(-np.inf)
@@ -217,7 +217,7 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
         k_vals = cuda.local.array((CHUNK_WORDS, k_vpw), np.float32)
         v_vals = cuda.local.array((MAX_V_WORDS, v_vpw), np.float32)
         nothing = np.int32(0)       # the V rows in flight and their tile's page, before a warp's first active tile
-        v0 = v1 = v2 = v3 = ((nothing, nothing, nothing, nothing), (one, one, one, one))
+        v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = ((nothing, nothing, nothing, nothing), (one, one, one, one))
         tile_where, tile_host, tile_offset = 0, False, 0
 
         for row in range(q.shape[0]):
@@ -283,6 +283,14 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                                  tile_offset, t0, k_lo, k_hi, kv_head, 2, lane)
                     v3 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
                                  tile_offset, t0, k_lo, k_hi, kv_head, 3, lane)
+                    v4 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                 tile_offset, t0, k_lo, k_hi, kv_head, 4, lane)
+                    v5 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                 tile_offset, t0, k_lo, k_hi, kv_head, 5, lane)
+                    v6 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                 tile_offset, t0, k_lo, k_hi, kv_head, 6, lane)
+                    v7 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                 tile_offset, t0, k_lo, k_hi, kv_head, 7, lane)
                 for h in range(G):
                     tile_max[h] = scores[h]
                 warp_max(tile_max, G)
@@ -304,16 +312,28 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                     for k in range(0, LANES, V_AHEAD):
                         apply_v(v0, scratch, at + k * G, v_vals, acc)
                         v0 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 4, lane)
+                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 8, lane)
                         apply_v(v1, scratch, at + (k + 1) * G, v_vals, acc)
                         v1 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 5, lane)
+                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 9, lane)
                         apply_v(v2, scratch, at + (k + 2) * G, v_vals, acc)
                         v2 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 6, lane)
+                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 10, lane)
                         apply_v(v3, scratch, at + (k + 3) * G, v_vals, acc)
                         v3 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 7, lane)
+                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 11, lane)
+                        apply_v(v4, scratch, at + (k + 4) * G, v_vals, acc)
+                        v4 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 12, lane)
+                        apply_v(v5, scratch, at + (k + 5) * G, v_vals, acc)
+                        v5 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 13, lane)
+                        apply_v(v6, scratch, at + (k + 6) * G, v_vals, acc)
+                        v6 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 14, lane)
+                        apply_v(v7, scratch, at + (k + 7) * G, v_vals, acc)
+                        v7 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 15, lane)
                 syncwarp()
             # each warp's state (its lanes' sums of exp added in the butterfly's order), then merged in warp order
             warp_sum(lane_sum, G)
