@@ -26,6 +26,8 @@ _GPU_FIELDS = {
     "device_to_host": (parse_rate, None),
     "zero_copy_read": (parse_rate, "host_to_device"),
     "copy_latency": (parse_seconds, "10 us"),
+    "read_latency": (parse_seconds, "0 us"),
+    "zero_copy_latency": (parse_seconds, "read_latency"),
     "graph_node_overhead": (parse_seconds, "1 us"),
     "kernel_launch": (parse_seconds, "25 us"),
     "copy_call": (parse_seconds, "kernel_launch"),
@@ -146,6 +148,8 @@ class GPU:
     event_call_s: float                   # host time of one event record, or a stream's wait on one
     l2_bytes: int = 0                     # L2 cache: a model whose weights fit decodes from it (0: none counted)
     host_page_table_entry_bytes: int = 8  # the driver's page tables mapping pinned host memory, per 4 KiB page
+    read_latency_s: float = 0.0           # one dependent load from device memory, past the caches
+    zero_copy_latency_s: float = 0.0      # one dependent load from mapped pinned host memory (over the link)
     kernels: Kernels = Kernels()          # this project's kernels measured on this GPU (default: the roofline)
 
     @property
@@ -174,6 +178,8 @@ class Profile:
         for figures in gpus:        # an uncalibrated profile keeps the fingerprint it had before calibration
             if figures["kernels"] == asdict(Kernels()):
                 del figures["kernels"]
+            if figures["zero_copy_latency_s"] == figures["read_latency_s"]:     # unmeasured: nothing priced
+                del figures["zero_copy_latency_s"], figures["read_latency_s"]
         figures = {"gpus": gpus, "host": asdict(self.host)}
         # '0.98 us' and '980 ns' differ in the last bit of a float: hash 12 significant digits
         text = json.dumps(_rounded(figures), sort_keys=True)
@@ -246,6 +252,7 @@ def _parse_gpu(doc, source: str, where: str) -> GPU:
                graph_node_overhead_s=v["graph_node_overhead"], kernel_launch_s=v["kernel_launch"],
                copy_call_s=v["copy_call"], event_call_s=v["event_call"],
                l2_bytes=v["l2"], host_page_table_entry_bytes=v["host_page_table_entry"],
+               read_latency_s=v["read_latency"], zero_copy_latency_s=v["zero_copy_latency"],
                kernels=_parse_kernels(doc.get("kernels", {}), source, where + ".kernels"))
 
 

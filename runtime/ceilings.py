@@ -5,7 +5,8 @@
   read_bandwidth_bytes_per_s(): a grid-stride kernel summing 4 GiB of device memory with 16-byte-per-thread
       unrolled 32-bit loads (DEVICE.md measured 3.68 TB/s on the H200 this way);
   pinned_copy_bytes_per_s(), zero_copy_read_bytes_per_s(): the host links, copied (either way) and read in
-      place; copy_latency_s(): one small pinned copy's fixed cost;
+      place; copy_latency_s(): one small pinned copy's fixed cost; read_latency_s(),
+      zero_copy_read_latency_s(): one dependent load from device memory and from mapped host memory (a chase);
   graph_seconds(): kernels timed as a replayed CUDA graph; graph_node_overhead_s(): one empty node's cost there;
   kernel_launch_s(): host time to issue one kernel from Python (`launch_kernel`); copy_call_s(), event_call_s():
       host time of the prefill ring's other calls, an expert matrix's copy and an event's record or wait;
@@ -146,6 +147,49 @@ def zero_copy_read_bytes_per_s(nbytes: int = 1 << 30) -> float:
     return nbytes / time_s(lambda: _read_kernel[sms * 8, 512](words, out), repeats=5, warmup=1)
 
 
+LINE_WORDS = 32             # a pointer chase's hop: one 128-byte line, so no two hops share one
+CHASE_BYTES = 256 << 20     # the chased buffer: five times the H200's L2, and hops never revisit a line
+
+
+@cuda.jit
+def _chase_kernel(next_word, hops, at):
+    """One thread following `hops` dependent loads from at[0], leaving where it stopped there (the next
+    launch goes on from it: no line is read twice)."""
+    i = at[0]
+    for _ in range(hops):
+        i = next_word[i]
+    at[0] = i
+
+
+def _chase_latency_s(next_word, hops: int = 4000) -> float:
+    """Seconds of one dependent load: the long chase's time less a short one's, over the hops between."""
+    at = cuda.to_device(np.zeros(1, np.int32))
+    short = hops // 8
+    times = {n: time_s(lambda n=n: _chase_kernel[1, 1](next_word, n, at), repeats=5, warmup=1) for n in (short, hops)}
+    return (times[hops] - times[short]) / (hops - short)
+
+
+def _chase_cycle(n_words: int) -> np.ndarray:
+    """int32 words whose line starts form one random cycle through every line (the rest are 0)."""
+    lines = np.random.default_rng(0).permutation(n_words // LINE_WORDS).astype(np.int64) * LINE_WORDS
+    words = np.zeros(n_words, np.int32)
+    words[lines] = np.roll(lines, -1)
+    return words
+
+
+def read_latency_s() -> float:
+    """One dependent load from device memory that no cache holds (a kernel's first round of loads waits this)."""
+    return _chase_latency_s(cuda.to_device(_chase_cycle(CHASE_BYTES // 4)))
+
+
+def zero_copy_read_latency_s() -> float:
+    """One dependent load from mapped pinned host memory (a decode kernel's round of loads of an expert the
+    cache misses waits this, over the link)."""
+    words = mapped_filled(CHASE_BYTES // 4, np.int32)
+    words[:] = _chase_cycle(CHASE_BYTES // 4)
+    return _chase_latency_s(words)
+
+
 @cuda.jit
 def _sixteen_arrays_kernel(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, lo, hi, q):
     if cuda.grid(1) == 0 and lo > hi:       # never true here: the kernel only has to be launched
@@ -248,6 +292,8 @@ def main():
     print(f"pinned host -> device: {pinned_copy_bytes_per_s() / 1e9:.1f} GB/s, device -> host "
           f"{pinned_copy_bytes_per_s(to_device=False) / 1e9:.1f} GB/s; zero-copy read "
           f"{zero_copy_read_bytes_per_s() / 1e9:.1f} GB/s; a 4 KiB copy {copy_latency_s() * 1e6:.1f} us")
+    print(f"a dependent load: {read_latency_s() * 1e6:.2f} us from device memory, "
+          f"{zero_copy_read_latency_s() * 1e6:.2f} us from mapped host memory")
     print(f"graph node: {graph_node_overhead_s() * 1e6:.2f} us; host page tables "
           f"{host_page_table_entry_bytes():.2f} B per 4 KiB page pinned")
     print(f"kernel launch from Python: {kernel_launch_s() * 1e6:.1f} us; a ring copy {copy_call_s() * 1e6:.1f} us, "

@@ -285,6 +285,17 @@ def test_fingerprint_changes_with_a_figure(tmp_path, change):
     assert changed.fingerprint != original.fingerprint
 
 
+def test_link_latencies_default_to_nothing_priced_and_keep_the_fingerprint_until_they_differ(tmp_path):
+    original = load_profile(write(tmp_path, DOC, "a.yaml"))
+    assert original.gpus[0].read_latency_s == original.gpus[0].zero_copy_latency_s == 0.0
+    same = load_profile(write(tmp_path, variant(read_latency="0.7 us"), "b.yaml"))
+    assert same.gpus[0].zero_copy_latency_s == same.gpus[0].read_latency_s == pytest.approx(0.7e-6)
+    assert same.fingerprint == original.fingerprint
+    measured = load_profile(write(tmp_path, variant(read_latency="0.7 us", zero_copy_latency="2.1 us"), "c.yaml"))
+    assert measured.gpus[0].zero_copy_latency_s == pytest.approx(2.1e-6)
+    assert measured.fingerprint != original.fingerprint
+
+
 def test_fingerprint_changes_with_host(tmp_path):
     doc = copy.deepcopy(DOC)
     doc["host"]["pinned_budget"] = "40 GiB"
