@@ -29,7 +29,7 @@ import yaml
 
 from runtime.ceilings import (kernel_launch_s, pinned_copy_bytes_per_s, read_bandwidth_bytes_per_s, time_s,
                                  zero_copy_read_bytes_per_s)
-from codegen.lower.cuda import cuda, device_name
+from codegen.lower.cuda import cuda, device_name, free_device_bytes
 from planner.model import load_model
 from planner.profile import load_profile
 from planner.units import parse_bytes
@@ -113,10 +113,10 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
     plan = solve(profile, card, context=context, kv="f16", workload=workload, mtp=False)
     model = load_model(card)
     started = time.perf_counter()
-    free_before, _ = cuda.current_context().get_memory_info()
+    free_before = free_device_bytes()
     engine = Engine(plan, card, tensors=tensors)
     start_s = time.perf_counter() - started
-    allocated = free_before - cuda.current_context().get_memory_info()[0]
+    allocated = free_before - free_device_bytes()
     try:
         prompt = prompt or random_prompts(rng, model.hparams.n_vocab)
         engine.generate(prompt(prompt_tokens), 4)         # warm the host paths and this length's programs

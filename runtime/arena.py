@@ -10,7 +10,7 @@ import numpy as np
 
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import SIMULATOR, cuda
+from codegen.lower.cuda import SIMULATOR, cuda, free_device_bytes
 from codegen.lower.weights import DeviceWeight, PackedWeight, packed_layout, placeholder_scales
 from codegen.memory import ARENA_ALIGNMENT_BYTES
 from planner.errors import StratumError
@@ -21,7 +21,7 @@ def check_free_memory(need_bytes: int) -> None:
     """Refuse at start, saying by how much, when the GPU has less free memory than the plan takes."""
     if SIMULATOR:
         return
-    free_bytes, _total = cuda.current_context().get_memory_info()
+    free_bytes = free_device_bytes()
     if free_bytes < need_bytes:
         raise StratumError(f"the plan needs {format_bytes(need_bytes)} of device memory but the GPU has "
                            f"{format_bytes(free_bytes)} free: {format_bytes(need_bytes - free_bytes)} short "

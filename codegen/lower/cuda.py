@@ -7,6 +7,7 @@ warp-level reductions kernels use (`warp_max`, `warp_sum` in a fixed butterfly o
 for it here.
 """
 
+import gc
 import math
 import weakref
 
@@ -236,6 +237,15 @@ else:
             if better(other, other_index, value, index):
                 value, index = other, other_index
         return value, index
+
+
+def free_device_bytes() -> int:
+    """The device's free memory once every dropped device array is returned: numba frees them later, in
+    batches, so a buffer dropped just before (the ceilings' 4 GiB read) could still count as taken, and be
+    returned during what is measured next (run 32 read an engine's start as 4 GiB less than its plan)."""
+    gc.collect()
+    cuda.current_context().deallocations.clear()
+    return cuda.current_context().get_memory_info()[0]
 
 
 def aligned16(array) -> bool:
@@ -535,4 +545,4 @@ class CapturedGraph:
 __all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
            "mapped_device_view", "mapped_filled", "mapped_host_view", "event_done", "launch_kernel", "kernel_counts",
            "copy_rows", "load4", "aligned16", "f16x2_to_f32", "syncwarp", "warp_max", "warp_sum", "WARP_MAX_VALUES",
-           "better", "warp_best"]
+           "better", "warp_best", "free_device_bytes"]
