@@ -251,13 +251,12 @@ def test_moe_groups_refuses_too_many_experts():
         moe.make_moe_groups(2048, 8)
 
 
-@pytest.mark.parametrize("gating, normalize, scale", [("softmax", True, 1.0), ("sigmoid", True, 2.5),
-                                                      ("sigmoid", False, 1.0)])
-@pytest.mark.parametrize("rows", [1, 3, MAX_WINDOW])
-def test_moe_route_is_topk_weights_and_groups_in_one_launch(rng, gating, normalize, scale, rows):
-    """The decode family's routing launch: bitwise the ids and weights of the prefill family's router, the
-    groups buffer of the grouping kernel, for any window."""
-    n_expert, k = 24, 4
+ROUTE_CASES = [("softmax", True, 1.0), ("sigmoid", True, 2.5), ("sigmoid", False, 1.0)]
+
+
+def check_moe_route(rng, n_expert, k, gating, normalize, scale, rows):
+    """The decode family's routing launch: bitwise the ids and weights of the prefill family's router (which
+    runs a smaller block), the groups buffer of the grouping kernel."""
     logits = (rng.standard_normal((rows, n_expert)) * 2).astype(np.float32)
     logits[0, 5] = logits[0, 9]          # a tie: the lower index first
     bias = ((rng.standard_normal(n_expert) * 0.1).astype(np.float32) if gating == "sigmoid"
@@ -273,6 +272,22 @@ def test_moe_route_is_topk_weights_and_groups_in_one_launch(rng, gating, normali
     expected_ids, _ = reference.route(logits, k, gating, bias if gating == "sigmoid" else None)
     np.testing.assert_array_equal(ids.copy_to_host(), expected_ids)
     check_groups(groups, ids.copy_to_host(), n_expert)
+
+
+@pytest.mark.parametrize("gating, normalize, scale", ROUTE_CASES)
+@pytest.mark.parametrize("rows", [1, 3, MAX_WINDOW])
+def test_moe_route_is_topk_weights_and_groups_in_one_launch(rng, gating, normalize, scale, rows):
+    """For any window; more experts than the simulator's routing block has threads."""
+    check_moe_route(rng, 40, 4, gating, normalize, scale, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gating, normalize, scale", ROUTE_CASES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gpu_moe_route(rng, gating, normalize, scale, rows):
+    """At Qwen3-30B-A3B's 128 experts, top 8: the decode block counts beats over four slices, prefill's over
+    one."""
+    check_moe_route(rng, 128, 8, gating, normalize, scale, rows)
 
 
 def test_moe_route_refuses_more_experts_than_the_router_takes():

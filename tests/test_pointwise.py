@@ -187,7 +187,7 @@ def test_topk(rng, gating):
 
 @pytest.mark.parametrize("gating", pointwise.GATINGS)
 def test_topk_ties_go_to_the_lower_index(rng, gating):
-    n_expert, k = 50, 6          # 3 groups of 17 threads' slices: the last one partial
+    n_expert, k = 50, 6          # the second run of 32 experts partial
     logits = rng.choice(np.float32([-1.0, -0.5, 0.0, 0.5, 1.0]), size=(4, n_expert)).astype(np.float32)
     logits[0] = 1.0                                           # every expert tied
     bias = np.full(n_expert, 0.25, np.float32) if gating == "sigmoid" else np.zeros(1, np.float32)
@@ -216,7 +216,7 @@ def test_topk_ranks_nan_last_so_ids_stay_distinct_experts(rng, gating):
 @pytest.mark.parametrize("gating, normalize, scale", [("softmax", True, 1.0), ("softmax", False, 1.0),
                                                       ("sigmoid", True, 2.5), ("sigmoid", False, 1.0)])
 def test_route_weights(rng, gating, normalize, scale):
-    n_expert, k = 40, 8         # two experts a lane, the second row of lanes partial
+    n_expert, k = 40, 8         # two runs of 32 experts for the softmax sum, the second partial
     bias = router_bias(rng, gating, n_expert)
     logits = separated_logits(rng, 4, n_expert, k, gating, bias)
     _, expected = reference.route(logits, k, gating, bias if gating == "sigmoid" else None, normalize, scale)
@@ -225,6 +225,33 @@ def test_route_weights(rng, gating, normalize, scale):
     got = run(launch, *arrays, results=[3])[0]
     assert rel_l2(got, expected) < TOLERANCE
     np.testing.assert_array_equal(rows_one_by_one(launch, *arrays, results=[3])[0], got)
+
+
+@pytest.mark.parametrize("gating", pointwise.GATINGS)
+def test_router_bits_do_not_depend_on_the_block(rng, gating):
+    """The same row's ids and weights, bitwise, from a block of 32 threads (two experts each), 64 and 128 (the
+    beats counted over two slices): prefill's router and the decode routing launch run different blocks."""
+    n_expert, k, rows = 40, 8, 3
+    bias = router_bias(rng, gating, n_expert)
+    logits = separated_logits(rng, rows, n_expert, k, gating, bias)
+    logits[0, 7] = logits[0, 30]                     # a tie across the two slices
+    got = []
+    for threads in (32, 64, 128):
+        route = pointwise.block_router(n_expert, k, gating, True, 1.5, threads)
+
+        @cuda.jit
+        def kernel(logits, bias, ids, weights):
+            route(logits, bias, cuda.blockIdx.x, ids, weights)
+
+        arrays = [cuda.to_device(a) for a in (logits, bias, np.full((rows, k), -1, np.int32),
+                                               np.full((rows, k), np.nan, np.float32))]
+        kernel[rows, threads](*arrays)
+        got.append((arrays[2].copy_to_host(), arrays[3].copy_to_host()))
+    for ids, weights in got[1:]:
+        np.testing.assert_array_equal(ids, got[0][0])
+        np.testing.assert_array_equal(weights, got[0][1])
+    np.testing.assert_array_equal(got[0][0], reference.route(logits, k, gating,
+                                                             bias if gating == "sigmoid" else None)[0])
 
 
 def test_router_refuses_unknown_gating_and_too_many_experts():

@@ -3,8 +3,8 @@
 numba-cuda is in maintenance; moving to its successor should change this file only. Under
 `NUMBA_ENABLE_CUDASIM=1` the same kernels run on the CPU in numba's simulator, which lacks warp shuffles and
 runs libdevice bit casts wrongly: kernels reduce through shared memory, and bit casts come from here; the
-warp-level reductions kernels use (`warp_max`, `warp_sum` in a fixed butterfly order, `warp_best`) are emulated
-for it here.
+warp-level reductions kernels use (`warp_max`, `warp_sum` in a fixed butterfly order) are emulated for it
+here.
 """
 
 import gc
@@ -121,8 +121,9 @@ else:
 
 @cuda.jit(device=True, inline=True)
 def better(value, index, best, best_index):
-    """Whether (value, index) beats (best, best_index): larger, or equal at a lower index."""
-    return value > best or (value == best and index < best_index)
+    """Whether (value, index) beats (best, best_index): larger, or equal at a lower index (no branch: the
+    router counts these in its inner loop)."""
+    return (value > best) | ((value == best) & (index < best_index))
 
 
 if SIMULATOR:
@@ -163,23 +164,6 @@ if SIMULATOR:
     def warp_sum(values, count):
         """values[i] = the sum of its values across the warp's lanes, for i < count, in the GPU's order."""
         _butterfly(values, count, lambda a, b: a + b)
-
-    @cuda.jit(device=True)
-    def warp_best(value, index):
-        """The `better` of the warp's lanes' (value, index) pairs, for every lane, through shared memory (the
-        simulator waits for the whole block twice: every warp must call it the same number of times)."""
-        values = cuda.shared.array(1024, np.float32)
-        indices = cuda.shared.array(1024, np.int32)
-        tid = cuda.threadIdx.x
-        first = tid - tid % 32
-        cuda.syncthreads()
-        values[tid], indices[tid] = value, index
-        cuda.syncthreads()
-        lanes = [(values[first + lane], indices[first + lane]) for lane in range(32)]
-        for step in (16, 8, 4, 2, 1):
-            lanes = [lanes[lane ^ step] if better(*lanes[lane ^ step], *lanes[lane]) else lanes[lane]
-                     for lane in range(32)]
-        return lanes[tid % 32]
 else:
     @_intrinsic
     def f16x2_to_f32(typingctx, word):
@@ -225,18 +209,6 @@ else:
             for step in (16, 8, 4, 2, 1):
                 total = total + cuda.shfl_xor_sync(0xFFFFFFFF, total, step)
             values[i] = total
-
-    @cuda.jit(device=True, inline=True)
-    def warp_best(value, index):
-        """The `better` of the warp's lanes' (value, index) pairs, for every lane: a butterfly of shuffles
-        (`better` is a total order on distinct indices, so every lane ends with the same pair; every lane must
-        take part)."""
-        for step in (16, 8, 4, 2, 1):
-            other = cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
-            other_index = cuda.shfl_xor_sync(0xFFFFFFFF, index, step)
-            if better(other, other_index, value, index):
-                value, index = other, other_index
-        return value, index
 
 
 def free_device_bytes() -> int:
@@ -545,4 +517,4 @@ class CapturedGraph:
 __all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
            "mapped_device_view", "mapped_filled", "mapped_host_view", "event_done", "launch_kernel", "kernel_counts",
            "copy_rows", "load4", "aligned16", "f16x2_to_f32", "syncwarp", "warp_max", "warp_sum", "WARP_MAX_VALUES",
-           "better", "warp_best", "free_device_bytes"]
+           "better", "free_device_bytes"]

@@ -51,10 +51,9 @@ from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THR
 from codegen.lower.word_formats import FORMATS
 
 GROUP_THREADS = 1024    # at most, for make_moe_groups: a block's threads, each a run of consecutive pairs
-# make_moe_route's block: a warp a window row (the simulator's warp_best waits for the whole block: one warp,
-# which takes the rows in turn)
-ROUTE_WARPS = 1 if SIMULATOR else MAX_WINDOW
-ROUTE_THREADS = ROUTE_WARPS * WARP
+# make_moe_route's block, which takes the window's rows in turn: 512 threads (ptxas for sm_90 gives it 69-92 registers,
+# over 1024 threads' 64); the simulator, which runs a thread in Python, one warp
+ROUTE_THREADS = WARP if SIMULATOR else 512
 X_TILE = (2, BK, EXPERT_TILE_ROWS + PAD)
 
 
@@ -173,12 +172,13 @@ def make_moe_groups(n_expert: int, k: int):
 @functools.cache
 def make_moe_route(n_expert: int, k: int, gating: str, normalize: bool, scale: float):
     """launch(stream, logits, bias, ids, weights, groups): a decode window's routing in one launch, a block:
-    each row's ids and route weights on its own warp (`pointwise.warp_router`, as prefill's `make_router`
-    runs it: the same bits), then their pairs grouped into `make_moe_groups`' buffer (the same values). The
+    each row's ids and route weights in turn (`pointwise.block_router`, as prefill's `make_router` runs it on
+    fewer threads: the same bits), then their pairs grouped into `make_moe_groups`' buffer (the same values). The
     grouping counts straight from the window's ids in shared memory (at most MAX_WINDOW * k pairs), a thread
     a pair and an expert: an expert's offset is the pairs of lower experts, a pair's place its offset plus the
-    same expert's earlier pairs, an active expert's rank the distinct lower experts; two barriers in all."""
-    route = pointwise.warp_router(n_expert, k, gating, normalize, scale)
+    same expert's earlier pairs, an active expert's rank the distinct lower experts; one barrier beyond the
+    router's."""
+    route = pointwise.block_router(n_expert, k, gating, normalize, scale, ROUTE_THREADS)
     max_pairs = MAX_WINDOW * k
 
     @cuda.jit
@@ -187,9 +187,8 @@ def make_moe_route(n_expert: int, k: int, gating: str, normalize: bool, scale: f
         first = cuda.shared.array(max_pairs, np.int32)        # 1: the pair is its expert's first
         t = cuda.threadIdx.x & IDX
         rows = ids.shape[0]
-        for row in range(t // WARP, rows, ROUTE_WARPS):
+        for row in range(rows):
             route(logits, bias, row, chosen, weights)
-        cuda.syncthreads()
         n_pairs = rows * k
         for p in range(t, n_pairs, ROUTE_THREADS):
             expert = chosen[p // k, p % k]

@@ -3,9 +3,9 @@ top-k and route weights, argmax. (The residual adds are the epilogues of the pro
 halves: `codegen.lower.matmul`, `codegen.lower.moe`.)
 
 Every kernel gives each row (or each row's head) its own block, or its own threads for the elementwise ones,
-or its own warp for the router, so a row's result never depends on how many rows the launch holds; the
-reductions (sum of squares, argmax) add each thread's elements in index order, then combine the threads
-through shared memory in one fixed tree (the router's softmax sum: a warp's fixed butterfly). Block sizes
+so a row's result never depends on how many rows the launch holds; the reductions (sum of squares, argmax)
+add each thread's elements in index order, then combine the threads through shared memory in one fixed tree
+(the router's softmax sum: fixed warp butterflies over fixed runs of experts, added in order). Block sizes
 come from the constants alone. Each thread issues its loads before it uses them (values held in registers),
 so a lone row (a decode step) waits for memory once, not per element.
 """
@@ -16,17 +16,15 @@ import math
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import (SIMULATOR, better, bits_to_f32, cuda, launch_kernel, warp_best,
-                                warp_sum)
+from codegen.lower.cuda import better, bits_to_f32, cuda, launch_kernel, warp_sum
 from codegen.lower.weights import QUANT_BLOCK
 
 WARP = 32
 ELEMENTWISE_THREADS = 256
 EMBED_THREADS = 256      # at most, per embedded row
 NORM_THREADS = 256       # at most, per row of an RMSNorm or head of a RoPE
-ROUTER_WARPS = 1 if SIMULATOR else 4   # rows a router block takes, a warp each (the simulator's warp_best
-#                                        waits for the whole block, so its blocks hold one row)
-MAX_ROUTER_EXPERTS = 32 * 32            # a lane holds at most 32 experts (its `taken` bits)
+MAX_ROUTER_EXPERTS = 1024   # a thread an expert in prefill's router block
+MIN_ROUTER_SLICE = 16       # experts a router thread compares against at least (fewer: more threads, no faster)
 ARGMAX_THREADS = 1024    # at most, per argmax row
 ARGMAX_UNROLL = 16       # independent loads in flight per thread and step
 ARGMAX_MIN_LOADS = 4     # fewer threads (down to a warp) for short rows: at least this many steps' worth each
@@ -359,81 +357,102 @@ def _biased_sigmoid_score(logit, bias, expert):
 
 
 @functools.cache
-def warp_router(n_expert: int, k: int, gating: str, normalize: bool, scale: float):
-    """route(logits, bias, row, ids, weights): one warp's routing of logits[row] (every lane calls it).
+def block_router(n_expert: int, k: int, gating: str, normalize: bool, scale: float, threads: int):
+    """route(logits, bias, row, ids, weights): a block's routing of logits[row]; all `threads` threads (a
+    multiple of a warp) call it, and it returns after a barrier, so the caller may read what it wrote.
 
     ids[row] (k,) int32: the k best experts, best first, ties to the lower index, selected on the logits
     (softmax) or on sigmoid(logit) + bias[e] (sigmoid; bias (n_expert,), a 1-element placeholder for
     softmax); a NaN score counts as -inf, so non-finite logits still give k distinct experts (no kernel reads
-    past a slot table). Lane l holds experts l, l + 32, ... in registers; each of k rounds takes every lane's
-    best expert not yet chosen and keeps the warp's best (`warp_best`: exact, so the ids never depend on how
-    the rows are launched). `ids` may be a shared array (`moe.make_moe_route` groups from it).
+    past a slot table). An expert's rank is the count of experts that beat it (`better`), counted over
+    `parts` slices of the experts at once and summed: exact, so the ids never depend on the block's size.
+    `ids` may be a shared array (`moe.make_moe_route` groups from it).
 
-    weights[row] (k,) float32: the chosen experts' softmax probabilities over all n_expert logits (each lane
-    adds its experts' exp in order, then `warp_sum`'s fixed butterfly) or their unbiased sigmoids; divided by
-    their sum (in slot order) when `normalize`; times `scale`.
+    weights[row] (k,) float32: the chosen experts' softmax probabilities over all n_expert logits (each warp
+    sums the exps of 32 experts in `warp_sum`'s fixed butterfly, then one thread adds those sums in order) or
+    their unbiased sigmoids; divided by their sum (in slot order) when `normalize`; times `scale`. Expert e is
+    always lane e % 32 of the run e // 32, so the bits are the same for any `threads`: prefill's router and
+    the decode routing launch agree bitwise.
 
-    Why a warp: the block-wide version (a thread an expert, ranks counted in shared memory, then shared-memory
-    trees for the max and the sum) waited on a dozen barriers and read the logits from memory three times:
-    8.1 us a decode block as one launch with the grouping (BENCHMARKS.md, runs 31-32)."""
+    Why counting: one warp choosing k experts in k rounds of shuffles was one serial chain of about 1500
+    instructions, 5.6 us warm for a row (BENCHMARKS.md, run 33); here every comparison is independent, and a
+    row waits on four barriers."""
     _check_router(n_expert, k, gating)
     score = _logit_score if gating == "softmax" else _biased_sigmoid_score
-    per_lane = -(-n_expert // WARP)
-    whole = per_lane * WARP == n_expert
     softmax = gating == "softmax"
+    parts = max(1, min(threads // n_expert, n_expert // MIN_ROUTER_SLICE))
+    slice_len = -(-n_expert // parts)
+    runs = -(-n_expert // WARP)                 # 32 experts each, one warp_sum
+    rounds = -(-n_expert // threads)            # a thread's experts: t, t + threads, ...
     scale32 = np.float32(scale)
-    none = np.int32(n_expert)           # an index no expert has: it loses every tie
+
+    @cuda.jit(device=True, inline=True)
+    def _weight(logit, top, total):
+        return np.float32(math.exp(logit - top)) / total if softmax else _sigmoid(logit)
 
     @cuda.jit(device=True, inline=True)
     def route(logits, bias, row, ids, weights):
-        lane = cuda.threadIdx.x % WARP
-        raw = cuda.local.array(per_lane, np.float32)
-        scores = cuda.local.array(per_lane, np.float32)
-        chosen = cuda.local.array(k, np.int32)
-        chosen_weights = cuda.local.array(k, np.float32)
-        total = cuda.local.array(1, np.float32)
-        for i in range(per_lane):       # every load in flight before the first use
-            e = lane + WARP * i
-            raw[i] = logits[row, e] if whole or e < n_expert else NEG_INF
-        for i in range(per_lane):
-            e = lane + WARP * i
-            value = score(raw[i], bias, e) if whole or e < n_expert else NEG_INF
-            scores[i] = NEG_INF if value != value else value       # NaN ranks last, so ids stay a permutation
-        taken = 0
+        raw = cuda.shared.array(n_expert, np.float32)
+        scores = cuda.shared.array(n_expert, np.float32)
+        beaten = cuda.shared.array((parts, n_expert), np.int32)
+        slice_top = cuda.shared.array(parts, np.float32)
+        run_sums = cuda.shared.array(runs, np.float32)
+        chosen = cuda.shared.array(k, np.int32)
+        exps = cuda.local.array(1, np.float32)
+        t = cuda.threadIdx.x
+        for e in range(t, n_expert, threads):
+            logit = logits[row, e]
+            value = score(logit, bias, e)
+            raw[e] = logit
+            scores[e] = NEG_INF if value != value else value       # NaN ranks last, so ids stay a permutation
+        cuda.syncthreads()
+        for item in range(t, parts * n_expert, threads):
+            part, e = item // n_expert, item % n_expert
+            mine = scores[e]
+            beats = 0
+            top = NEG_INF
+            for j in range(part * slice_len, min(n_expert, (part + 1) * slice_len)):
+                other = scores[j]
+                beats += better(other, j, mine, e)
+                top = max(top, other)
+            beaten[part, e] = beats
+            if e == 0:
+                slice_top[part] = top
+        cuda.syncthreads()
         top = NEG_INF
-        for slot in range(k):
-            best, best_index = NEG_INF, none
-            for i in range(per_lane):
-                e = np.int32(lane + WARP * i)
-                if (whole or e < n_expert) and not (taken >> i) & 1 and better(scores[i], e, best, best_index):
-                    best, best_index = scores[i], e
-            best, best_index = warp_best(best, best_index)
-            chosen[slot] = best_index
-            if slot == 0:
-                top = best
-            for i in range(per_lane):
-                if best_index == lane + WARP * i:
-                    taken |= 1 << i
-        if softmax:
-            partial = np.float32(0)
-            for i in range(per_lane):
-                if whole or lane + WARP * i < n_expert:
-                    partial += np.float32(math.exp(raw[i] - top))
-            total[0] = partial
-            warp_sum(total, 1)
-        norm = np.float32(0)
-        for slot in range(k):
-            logit = logits[row, chosen[slot]]       # (the same address in every lane: one load)
+        for part in range(parts):
+            top = max(top, slice_top[part])     # the best score: for softmax, the largest finite logit
+        for r in range(rounds):                 # every thread the same count: warp_sum needs every lane
+            e = t + r * threads
+            exps[0] = 0
+            if e < n_expert:
+                rank = 0
+                for part in range(parts):
+                    rank += beaten[part, e]
+                if rank < k:
+                    chosen[rank] = e
+                if softmax:
+                    exps[0] = np.float32(math.exp(raw[e] - top))
             if softmax:
-                chosen_weights[slot] = np.float32(math.exp(logit - top)) / total[0]
-            else:
-                chosen_weights[slot] = _sigmoid(logit)
-            norm += chosen_weights[slot]
-        for slot in range(k):
-            if lane == slot % WARP:
-                ids[row, slot] = chosen[slot]
-                weight = chosen_weights[slot] / norm if normalize else chosen_weights[slot]
-                weights[row, slot] = weight * scale32
+                warp_sum(exps, 1)
+                if e % WARP == 0 and e < n_expert:
+                    run_sums[e // WARP] = exps[0]
+        cuda.syncthreads()
+        if t < k:
+            total = np.float32(0)
+            if softmax:
+                for run in range(runs):
+                    total += run_sums[run]
+            expert = chosen[t]
+            weight = _weight(raw[expert], top, total)
+            if normalize:
+                norm = np.float32(0)
+                for slot in range(k):
+                    norm += _weight(raw[chosen[slot]], top, total)
+                weight = weight / norm
+            ids[row, t] = expert
+            weights[row, t] = weight * scale32
+        cuda.syncthreads()
 
     return route
 
@@ -441,19 +460,15 @@ def warp_router(n_expert: int, k: int, gating: str, normalize: bool, scale: floa
 @functools.cache
 def make_router(n_expert: int, k: int, gating: str, normalize: bool, scale: float):
     """launch(stream, logits, bias, ids, weights): ids (rows, k) int32 and weights (rows, k) float32, each
-    row's `warp_router` on its own warp, ROUTER_WARPS rows a block."""
-    route = warp_router(n_expert, k, gating, normalize, scale)
+    row's `block_router` on its own block, a thread an expert."""
+    threads = _threads(n_expert, MAX_ROUTER_EXPERTS)
+    route = block_router(n_expert, k, gating, normalize, scale, threads)
 
     @cuda.jit
     def kernel(logits, bias, ids, weights):
-        row = cuda.blockIdx.x * ROUTER_WARPS + cuda.threadIdx.x // WARP
-        if row < logits.shape[0]:       # (the whole warp)
-            route(logits, bias, row, ids, weights)
+        route(logits, bias, cuda.blockIdx.x, ids, weights)
 
-    def launch(stream, logits, bias, ids, weights):
-        launch_kernel(kernel, -(-logits.shape[0] // ROUTER_WARPS), ROUTER_WARPS * WARP, stream, logits, bias,
-                      ids, weights)
-    return launch
+    return _per_row(kernel, threads)
 
 
 # ---------------------------------------------------------------------------------------------------------
