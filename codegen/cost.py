@@ -30,11 +30,14 @@ import numpy as np
 from codegen.graph import (EXPERT_TILE_ROWS, TILE_WEIGHT_ROWS, TILED_OPS, Tiling, expert_tiles, launch_members,
                            launched, prefill_tiling, representative_of)
 from planner.architecture import tensor_layer
+from planner.model import split_bytes
 from planner.profile import GPU, TILED_FAMILIES, KernelFit
 
 MATMUL_OPS = ("matmul", "swiglu_matmul")
 ATTENTION_OPS = ("attention", "attention_combine")
 GROUPING_OPS = ("moe_groups", "moe_route")     # one thread block each: they follow no roofline
+DECODE_ROUND_BYTES = 32 * 16    # a warp's loads of a weight row in flight at once: a 16-byte chunk a lane
+#                                 (codegen.lower.matmul.CHUNK_WORDS words), one chunk in flight (unroll 1)
 
 
 def kernel_family(node: dict, decode: bool, in_l2: bool = False) -> str:
@@ -114,6 +117,8 @@ class PassCost:
     experts: list = field(default_factory=list)     # one MoE block's routed-expert nodes: (flops, bytes, fit,
     #                                                 tiling: prefill's, None for decode's; pairs)
     expert_efficiency: float = 1.0    # the expert kernels' fit: the planner divides their weight reads by it
+    expert_load_rounds: int = 0       # a trunk MoE block's routed-expert launches (decode): the rounds of weight
+    #                                   loads a warp waits for, summed (`decode_load_rounds`)
     kv_bytes_per_token: int = 0       # K/V bytes one context position adds, over all the pass's blocks
     host_kv_reads: int = 1            # how often attention reads a position held only in the host copy
     n_nodes: int = 0                  # kernel launches the pass replays
@@ -195,6 +200,7 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
     cost = PassCost(gpu=gpu, tokens=graph.graph["tokens"])
     decode = graph.graph["kind"] != "prefill"
     cost.expert_efficiency = kernel_fit(gpu, {"op": "moe_down_matmul", "expert_layer": 0}, decode, in_l2).efficiency
+    load_rounds = {}            # trunk MoE block -> its expert launches' rounds
     for name, node in graph.nodes(data=True):
         if not launched(node):
             continue
@@ -219,6 +225,8 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
         tiling = prefill_tiling(node) if is_tiled(node, decode) else None
         if "expert_layer" in node:
             cost.experts.append((node["flops"], moved, fit, tiling, node["shape"][0]))
+            if decode and rep is not None and rep < hp.n_trunk:
+                load_rounds[rep] = load_rounds.get(rep, 0) + decode_load_rounds(model, node)
             continue
         if stands_for == [None]:
             weights = np.array([weight_bytes], dtype=np.float64)
@@ -233,7 +241,17 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
         cost.fixed_s += float(seconds.sum())
         if in_moe_block:
             cost.block_fixed_s += float(seconds[stands_for.index(rep)])
+    cost.expert_load_rounds = max(load_rounds.values(), default=0)
     return cost
+
+
+def decode_load_rounds(model, node: dict) -> int:
+    """The rounds of weight loads one warp of a decode expert launch issues one after another: a weight row's
+    quants over the warp's 16-byte chunks (Qwen3-30B-A3B Q8_0: gate/up 4, their rows of 2048 values read
+    together; down 2). A round waits the memory's latency, so an expert read from mapped host memory adds
+    the link's latency beyond device memory's at each (`planner.predict`)."""
+    weight_type = next(t.ggml_type for t in model.tensors if t.name == node["weights"][0])
+    return -(-split_bytes(weight_type, node["n_in"])[0] // DECODE_ROUND_BYTES)
 
 
 def activation_bytes(graph: nx.DiGraph, name: str) -> int:

@@ -164,6 +164,19 @@ class DeviceCost:
     def step_expert_bytes(self) -> float:
         return float((self.popularity.sum(axis=1) * self.blobs).sum())
 
+    def host_read_blocks(self, tokens: int) -> SlotTable:
+        """SlotTable of the chance that a window of `tokens` rows routes a block to an expert it does not cache
+        (then its expert launches read mapped host memory), each expert routed independently at its
+        popularity: 1 - the product over uncached experts of (1 - p) ** tokens."""
+        key = ("host read blocks", tokens)
+        if key not in self._memo:
+            with np.errstate(divide="ignore"):
+                log_unused = tokens * np.log1p(-np.minimum(self.popularity, 1.0))
+            suffix = np.cumsum(log_unused[:, ::-1], axis=1)[:, ::-1]                 # over experts e on
+            uncached = np.hstack([suffix, np.zeros((len(suffix), 1))])
+            self._memo[key] = SlotTable(1.0 - np.exp(uncached))
+        return self._memo[key]
+
     def touched(self, tokens: int) -> np.ndarray:
         """[block, expert]: the chance that a batch of `tokens` positions uses each expert."""
         return 1.0 - (1.0 - np.minimum(self.popularity, 1.0)) ** tokens
@@ -210,7 +223,9 @@ class DeviceCost:
     def window_s(self, tokens: int, depth, cache_slots, resident_tokens):
         """One decode window (a step, or the verify of 1 + n) at `depth`: every block's dense weights once, the
         resident K/V from VRAM, the rest read by attention from the host copy zero-copy (as prefill's), cache
-        hits from VRAM and misses zero-copy."""
+        hits from VRAM and misses zero-copy. A block whose window misses also waits the link's latency beyond
+        device memory's at each round of its expert launches' loads (`codegen.cost.decode_load_rounds`): the
+        demo model's steps took 24-35 us more than their bytes once any expert missed (BENCHMARKS.md, run 31)."""
         g = self.gpu
         cost = self.cost("decode", tokens)
         resident = np.minimum(depth, resident_tokens)
@@ -223,7 +238,9 @@ class DeviceCost:
         experts_s = ((total - miss) / g.memory_bandwidth_bytes_per_s
                      + miss / g.zero_copy_read_bytes_per_s) / cost.expert_efficiency
         streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.zero_copy_read_bytes_per_s
-        return (cost.dense_s(depth, resident) + streamed_kv + experts_s
+        host_latency_s = (self.host_read_blocks(tokens).total(cache_slots) * cost.expert_load_rounds
+                          * max(0.0, g.zero_copy_latency_s - g.read_latency_s))
+        return (cost.dense_s(depth, resident) + streamed_kv + experts_s + host_latency_s
                 + len(self.moe_blocks) * self.expert_compute_s("decode", tokens)
                 + cost.n_nodes * g.graph_node_overhead_s + self._host_calls_s(WINDOW_HOST_CALLS))
 

@@ -93,6 +93,44 @@ def test_a_decode_step_reads_the_positions_its_ring_lost_from_the_host_copy_zero
     assert float(from_host - resident) == pytest.approx(host_read_s - float(attention_gap), rel=1e-6)
 
 
+def test_decode_expert_launches_wait_their_load_rounds(qwen):
+    """A Qwen3-30B-A3B Q8_0 warp reads a gate/up row of 2048 quants in 4 rounds of 32 16-byte chunks (gate's and
+    up's together), a down row of 768 in 2: 6 rounds a block. A round is what the decode kernels load at once."""
+    from codegen.lower.matmul import CHUNK_WORDS
+    from codegen.lower.pointwise import WARP
+    assert codegen_cost.DECODE_ROUND_BYTES == WARP * CHUNK_WORDS * 4
+    graph = build_pass(qwen, "decode", 1, KV, layers=representative_layers(qwen.hparams))
+    rounds = {node["op"]: codegen_cost.decode_load_rounds(qwen, node) for _, node in graph.nodes(data=True)
+              if "expert_layer" in node}
+    assert rounds == {"moe_swiglu_matmul": 4, "moe_down_matmul": 2}
+    gpu = load_profile("h200-141g").gpus[0]
+    assert pass_cost(graph, gpu, qwen, tuple(range(qwen.hparams.n_trunk))).expert_load_rounds == 6
+    assert pass_cost(build_pass(qwen, "prefill", 64, KV, layers=representative_layers(qwen.hparams)), gpu, qwen,
+                     tuple(range(qwen.hparams.n_trunk))).expert_load_rounds == 0
+
+
+@pytest.mark.parametrize("cached_share", [0.0, 0.5, 1.0])
+def test_a_decode_step_that_misses_waits_the_links_latency_at_each_load_round(rng, qwen, cached_share):
+    """The same step, priced with a zero-copy read's latency above device memory's and without: the difference
+    is the link's extra latency times the expert launches' 6 rounds, for each block the step's routing sends
+    to an expert it does not cache (its chance: 1 - the product over uncached experts of 1 - popularity).
+    Nothing when every expert is cached."""
+    gpu = load_profile("h200-141g").gpus[0]
+    read_s, link_s = rng.uniform(0.2e-6, 0.5e-6), rng.uniform(1e-6, 3e-6)
+    costs = []
+    for zero_copy_latency_s in (read_s, link_s):
+        measured = dataclasses.replace(gpu, read_latency_s=read_s, zero_copy_latency_s=zero_copy_latency_s)
+        share = DeviceShare(0, measured, tuple(range(qwen.hparams.n_trunk)), True, True)
+        costs.append(DeviceCost(qwen, share, KV, Workload(prompts=((2048, 1.0),), decode_tokens=8), mtp=False))
+    per_block = int(cached_share * qwen.hparams.n_expert)
+    slots = per_block * len(costs[0].moe_blocks)
+    gap = costs[1].window_s(1, 2048, slots, 2048) - costs[0].window_s(1, 2048, slots, 2048)
+    uncached = np.minimum(costs[0].popularity[:, per_block:], 1.0)
+    chance = 1.0 - np.prod(1.0 - uncached, axis=1)
+    assert float(gap) == pytest.approx(chance.sum() * 6 * (link_s - read_s), rel=1e-9, abs=1e-15)
+    assert (gap == 0.0) == (cached_share == 1.0)
+
+
 def test_prefills_output_head_row_is_a_decode_family_node(qwen):
     """A prefill chunk's one head row goes through the decode family's GEMV (it reads the weights once; the
     prefill tiles would compute 128 rows): priced as decode_matmul, every other matmul as prefill_matmul."""
