@@ -238,8 +238,9 @@ class DeviceCost:
         experts_s = ((total - miss) / g.memory_bandwidth_bytes_per_s
                      + miss / g.zero_copy_read_bytes_per_s) / cost.expert_efficiency
         streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.zero_copy_read_bytes_per_s
-        host_latency_s = (self.host_read_blocks(tokens).total(cache_slots) * cost.expert_load_rounds
-                          * max(0.0, g.zero_copy_latency_s - g.read_latency_s))
+        link_latency_s = g.zero_copy_latency_s - g.read_latency_s
+        host_latency_s = (self.host_read_blocks(tokens).total(cache_slots) * cost.expert_load_rounds * link_latency_s
+                          if link_latency_s > 0 and cost.expert_load_rounds else 0.0)     # (the solver's hot path)
         return (cost.dense_s(depth, resident) + streamed_kv + experts_s + host_latency_s
                 + len(self.moe_blocks) * self.expert_compute_s("decode", tokens)
                 + cost.n_nodes * g.graph_node_overhead_s + self._host_calls_s(WINDOW_HOST_CALLS))
