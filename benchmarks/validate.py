@@ -149,8 +149,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--trace-prompts", type=int, default=4, help="prompts of 1024 tokens the trace serves")
     parser.add_argument("--no-trace", action="store_true", help="plan with the default skew, not a trace")
-    parser.add_argument("--json", help="also write the rows here (beside them: the trace's histogram, .trace.json, "
-                        "and the resident passes' timed nodes, .nodes.json)")
+    parser.add_argument("--json", help="also write the rows here, after each row (beside them: the trace's "
+                        "histogram, .trace.json, and the resident passes' timed nodes, .nodes.json)")
     args = parser.parse_args()
     ceilings, _ = measure_links()
     rng = np.random.default_rng(0)
@@ -172,6 +172,8 @@ def main():
             what = f"{CARD} shape, {args.layers} blocks, random prompts"
         histogram, (comparison, nodes) = (None, (None, [])) if args.no_trace else traced_histogram(
             resident, card, tensors, args.trace_prompts, args.new_tokens, prompt, trace_tokens, context, lengths)
+        if args.json:
+            write_beside(Path(args.json), histogram, nodes)
         for label, profile in budgets:
             for tokens in lengths:
                 row = run_plan(label, profile, card, tensors, ceilings, tokens, args.new_tokens, rng,
@@ -179,6 +181,8 @@ def main():
                 rows.append({"budget": label, "prompt": tokens, **{k: v for k, v in row.items() if k != "plan"}})
                 cuda.current_context().deallocations.clear()
                 print_table(rows[-1:])
+                if args.json:       # after every row: a run cut off by a time limit keeps what it measured
+                    Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"\n{what}, context {context}, {args.new_tokens} new tokens, K/V f16, profile {args.profile}")
     print_table(rows)
     if comparison:
@@ -191,13 +195,15 @@ def main():
     print(f"\npredictions within 10%: {sum(e <= 0.10 for e in errors)} of {len(errors)}; median error "
           f"{np.median(errors):.0%}, worst {max(errors):.0%}; allocation beyond the plan: "
           f"{max(row['allocated - plan MiB'] for row in rows):+.0f} MiB at most")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-        if histogram is not None:       # the trace the plans were solved from: they can be re-planned offline
-            trace = Path(args.json).with_suffix(".trace.json")
-            trace.write_text(json.dumps({"expert_popularity": {"histogram": histogram}}))
-        if nodes:       # the resident passes' nodes, timed: this model's own calibration samples
-            Path(args.json).with_suffix(".nodes.json").write_text(json.dumps(nodes, indent=1))
+
+
+def write_beside(path: Path, histogram, nodes) -> None:
+    """Beside the rows' JSON: the trace the plans are solved from (`.trace.json`: they can be re-planned
+    offline) and the resident passes' timed nodes (`.nodes.json`: this model's own calibration samples)."""
+    if histogram is not None:
+        path.with_suffix(".trace.json").write_text(json.dumps({"expert_popularity": {"histogram": histogram}}))
+    if nodes:
+        path.with_suffix(".nodes.json").write_text(json.dumps(nodes, indent=1))
 
 
 if __name__ == "__main__":
