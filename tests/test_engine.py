@@ -387,11 +387,15 @@ def test_gpu_drafting_at_every_depth_gives_the_tokens_and_logits_of_single_steps
 def test_speculative_sampling_emits_the_targets_distribution(rng):
     """Drafts drawn from q and kept with probability min(1, p/q), a rejection resampled from max(0, p - q): the
     first emitted token is distributed as p_0 and a kept draft's follower as p_1, whatever q (fresh random
-    distributions over 6 tokens, 40000 draws: each frequency within 0.015 of its probability, > 4 sigma)."""
+    distributions over 6 tokens, 40000 draws: each frequency within 0.015 of its probability, > 4 sigma).
+    Half of q_0 is p_0, so that at least half the first drafts are kept and p_1 is checked on 20000 followers or
+    more: a free q_0 kept too few of them one draw in 2000 (fewer than 4000, or 0.015 under 2 sigma); the other
+    half of q_0 still differs from p_0, so about a fifth of the drafts are resampled from the residual."""
     from runtime.drafter import speculative_accept
     vocab, draws = 6, 40000
     p = rng.dirichlet(np.ones(vocab), size=3)
     q = rng.dirichlet(np.ones(vocab), size=2)
+    q[0] = (q[0] + p[0]) / 2
     first, second = np.zeros(vocab), np.zeros(vocab)
     for _ in range(draws):
         drafts = [int(rng.choice(vocab, p=q[0])), int(rng.choice(vocab, p=q[1]))]
@@ -401,4 +405,4 @@ def test_speculative_sampling_emits_the_targets_distribution(rng):
         if len(emitted) > 1:
             second[emitted[1]] += 1
     assert np.abs(first / draws - p[0]).max() < 0.015
-    assert second.sum() > 4000 and np.abs(second / second.sum() - p[1]).max() < 0.015
+    assert second.sum() > draws / 3 and np.abs(second / second.sum() - p[1]).max() < 0.015
