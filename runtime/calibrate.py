@@ -197,9 +197,12 @@ def fit_tiled(tiles, times_s, weight_element_s: float | None = None) -> KernelFi
 
 def _bounded_lstsq(design, measured, lower, upper):
     """(coefficients, squared error) of least squares with each coefficient within [lower, upper]: the best
-    of every choice of coefficients held at a bound and the rest solved freely (exact for a few columns)."""
+    of every choice of coefficients held at a bound and the rest solved freely (exact for a few columns). A
+    coefficient whose bounds are equal (a given value) is always held: solved freely it could land within the
+    feasibility slack of its value, not on it."""
     best = None
-    for held in itertools.product(*[[None] + sorted({lo, hi} - {np.inf}) for lo, hi in zip(lower, upper)]):
+    choices = [[lo] if lo == hi else [None] + sorted({lo, hi} - {np.inf}) for lo, hi in zip(lower, upper)]
+    for held in itertools.product(*choices):
         coef = np.array([0.0 if h is None else h for h in held])
         free = [i for i, h in enumerate(held) if h is None]
         if free:
