@@ -76,6 +76,13 @@ class ChunkStreaming(NamedTuple):
     launch_s: object            # the host's issue of the whole chunk
 
 
+def _uncached_sums(per_expert: np.ndarray) -> np.ndarray:
+    """[block, s]: the sum of per_expert[b, e] over the experts a block holding its s hottest does not cache
+    (experts sorted hottest first; s = 0..n_expert)."""
+    suffix = np.cumsum(per_expert[:, ::-1], axis=1)[:, ::-1]                        # sum from e on
+    return np.hstack([suffix, np.zeros((per_expert.shape[0], 1))])
+
+
 class SlotTable:
     """Sum over a device's MoE blocks of a per-block function of its cache slots.
 
@@ -152,8 +159,7 @@ class DeviceCost:
     # --- expert tables ---------------------------------------------------------------------------------
     def _table(self, per_expert: np.ndarray, in_bytes: bool = True) -> SlotTable:
         """SlotTable of the sum over uncached experts of per_expert[b, e] (times blob[b] when in bytes)."""
-        suffix = np.cumsum(per_expert[:, ::-1], axis=1)[:, ::-1]                    # sum from e on
-        left = np.hstack([suffix, np.zeros((per_expert.shape[0], 1))])
+        left = _uncached_sums(per_expert)
         return SlotTable(left * self.blobs[:, None] if in_bytes else left)
 
     @cached_property
@@ -172,9 +178,7 @@ class DeviceCost:
         if key not in self._memo:
             with np.errstate(divide="ignore"):
                 log_unused = tokens * np.log1p(-np.minimum(self.popularity, 1.0))
-            suffix = np.cumsum(log_unused[:, ::-1], axis=1)[:, ::-1]                 # over experts e on
-            uncached = np.hstack([suffix, np.zeros((len(suffix), 1))])
-            self._memo[key] = SlotTable(1.0 - np.exp(uncached))
+            self._memo[key] = SlotTable(1.0 - np.exp(_uncached_sums(log_unused)))
         return self._memo[key]
 
     def touched(self, tokens: int) -> np.ndarray:

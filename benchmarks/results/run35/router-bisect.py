@@ -27,27 +27,19 @@ def wrap(route):
     return kernel
 
 
-@cuda.jit
-def load_store(logits, bias, ids, weights):
-    t = cuda.threadIdx.x
-    raw = cuda.shared.array(E, np.float32)
-    raw[t] = logits[0, t]
-    cuda.syncthreads()
-    if t < K:
-        ids[0, t] = t
-        weights[0, t] = raw[t]
-
-
-@cuda.jit
-def four_barriers(logits, bias, ids, weights):
-    t = cuda.threadIdx.x
-    raw = cuda.shared.array(E, np.float32)
-    raw[t] = logits[0, t]
-    for _ in range(4):
-        cuda.syncthreads()
-    if t < K:
-        ids[0, t] = t
-        weights[0, t] = raw[t]
+def barriers_kernel(barriers: int):
+    """Load a row into shared memory, wait on `barriers` barriers, store k values."""
+    @cuda.jit
+    def kernel(logits, bias, ids, weights):
+        t = cuda.threadIdx.x
+        raw = cuda.shared.array(E, np.float32)
+        raw[t] = logits[0, t]
+        for _ in range(barriers):
+            cuda.syncthreads()
+        if t < K:
+            ids[0, t] = t
+            weights[0, t] = raw[t]
+    return kernel
 
 
 @cuda.jit
@@ -88,7 +80,8 @@ for threads in (32, 128, 512, 1024):
         lambda s, kernel=kernel, threads=threads: launch_kernel(kernel, 1, threads, s, logits, bias, ids, weights))
 kernel = wrap(pointwise.block_router(E, K, "sigmoid", True, 1.0, 128))
 cases["block router, sigmoid, 128 threads"] = lambda s: launch_kernel(kernel, 1, 128, s, logits, bias_e, ids, weights)
-for name, part in (("load, one barrier, store", load_store), ("load, four barriers, store", four_barriers),
+for name, part in (("load, one barrier, store", barriers_kernel(1)),
+                   ("load, four barriers, store", barriers_kernel(4)),
                    ("exp and a warp_sum", exp_and_warp_sum), ("the rank loop over 128 experts", rank_loop)):
     cases[f"{name}, 128 threads"] = lambda s, part=part: launch_kernel(part, 1, 128, s, logits, bias, ids, weights)
 print("| kernel (one row of 128 experts), replayed back to back | us a node |")
