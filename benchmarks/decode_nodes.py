@@ -4,6 +4,10 @@ nodes run back to back, as in the replayed graph); each node's median time, its 
 totals by kind of node. The step runs after a prompt, so attention reads that many positions.
 
     NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/decode_nodes.py --layers 6 --prompt-tokens 512 1984 16384
+
+`--model demo` times the trained demo model's step instead, under budgets of `--demo-fractions` of its resident
+plan's bytes (`benchmarks/validate.py`'s: 50% caches no expert, so every expert launch reads mapped host
+memory; 100% caches them all): where a step that misses spends its time beyond one that hits.
 """
 
 import argparse
@@ -14,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.e2e import CONTEXT
+from benchmarks.validate import DEMO_CONTEXT, demo_budgets
 from codegen.lower.cuda import device_name
 from planner.search import solve
 from planner.workload import Workload
@@ -21,6 +26,9 @@ from runtime.calibrate import node_times_s, replay_s
 from runtime.ceilings import read_bandwidth_bytes_per_s
 from runtime.engine import Engine
 from runtime.synthetic import realistic_weights, reduced_card
+from tools.demo import DEMO_PATH
+
+BUNDLED_PROFILE = Path(__file__).resolve().parents[1] / "plans" / "hardware" / "h200-141g.yaml"
 
 
 def node_times_us(engine, repeats: int) -> tuple[list, np.ndarray, float]:
@@ -32,8 +40,12 @@ def node_times_us(engine, repeats: int) -> tuple[list, np.ndarray, float]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--model", choices=("qwen-shape", "demo"), default="qwen-shape")
+    parser.add_argument("--layers", type=int, default=6, help="blocks of the Qwen shape")
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1984])
+    parser.add_argument("--demo-fractions", type=float, nargs="+", default=[0.5, 1.0],
+                        help="the demo's budgets, as fractions of its resident plan's bytes")
+    parser.add_argument("--profile", default=str(BUNDLED_PROFILE), help="the profile the demo's budgets scale")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     read = read_bandwidth_bytes_per_s()
@@ -41,23 +53,30 @@ def main():
     rng = np.random.default_rng(0)
     timed = []
     with tempfile.TemporaryDirectory() as tmp:
-        card = reduced_card(args.layers, Path(tmp))
-        workload = Workload(prompts=tuple((tokens, 1.0) for tokens in args.prompt_tokens), decode_tokens=8)
-        context = max(CONTEXT, max(args.prompt_tokens) + 1024)
-        plan = solve("h200-141g", card, context=context, kv="f16", workload=workload)
-        with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0)) as engine:
-            graph = engine._program("decode", 1).graph
-            for tokens in args.prompt_tokens:       # each a fresh prompt: the step reads that many positions
-                engine.generate(rng.integers(0, engine.hp.n_vocab, size=tokens).tolist(), 2)
-                timed.append((tokens, *node_times_us(engine, args.repeats)))
-    for tokens, steps, times, whole_s in timed:
-        print_nodes(graph, tokens, args.layers, steps, times, whole_s)
+        if args.model == "demo":
+            runs = [(label, solve(profile, DEMO_PATH, context=DEMO_CONTEXT, kv="f16", mtp=False), DEMO_PATH, None)
+                    for label, profile in demo_budgets(Path(args.profile), Path(tmp), args.demo_fractions)]
+        else:
+            card = reduced_card(args.layers, Path(tmp))
+            workload = Workload(prompts=tuple((tokens, 1.0) for tokens in args.prompt_tokens), decode_tokens=8)
+            context = max(CONTEXT, max(args.prompt_tokens) + 1024)
+            runs = [("resident", solve("h200-141g", card, context=context, kv="f16", workload=workload), card,
+                     realistic_weights(card, seed=1, skew=1.0))]
+        for label, plan, card, tensors in runs:
+            with Engine(plan, card, tensors=tensors) as engine:
+                graph = engine._program("decode", 1).graph
+                label += f", {engine.experts.n_cache} cache slots"
+                for tokens in args.prompt_tokens:       # each a fresh prompt: the step reads that many positions
+                    engine.generate(rng.integers(0, engine.hp.n_vocab, size=tokens).tolist(), 2)
+                    timed.append((label, graph, tokens, *node_times_us(engine, args.repeats)))
+    for label, graph, tokens, steps, times, whole_s in timed:
+        print_nodes(label, graph, tokens, steps, times, whole_s)
 
 
-def print_nodes(graph, prompt_tokens: int, layers: int, steps, times, whole_s: float) -> None:
+def print_nodes(label: str, graph, prompt_tokens: int, steps, times, whole_s: float) -> None:
     median = np.median(times, axis=0)
     total = median.sum()
-    print(f"\ndecode step after {prompt_tokens} tokens, {layers} blocks: {len(steps)} nodes, "
+    print(f"\n{label}: decode step after {prompt_tokens} tokens: {len(steps)} nodes, "
           f"{total:.1f} us with events between nodes, {whole_s * 1e6:.1f} us replayed without")
     print("| node | op | us | share |")
     print("| --- | --- | ---: | ---: |")
@@ -71,6 +90,7 @@ def print_nodes(graph, prompt_tokens: int, layers: int, steps, times, whole_s: f
     print("| --- | ---: | ---: |")
     for op, us in sorted(by_op.items(), key=lambda item: -item[1]):
         print(f"| {op} | {us:.1f} | {us / total:.1%} |")
+
 
 if __name__ == "__main__":
     main()

@@ -117,8 +117,10 @@ class PassCost:
     experts: list = field(default_factory=list)     # one MoE block's routed-expert nodes: (flops, bytes, fit,
     #                                                 tiling: prefill's, None for decode's; pairs)
     expert_efficiency: float = 1.0    # the expert kernels' fit: the planner divides their weight reads by it
-    expert_load_rounds: int = 0       # a trunk MoE block's routed-expert launches (decode): the rounds of weight
-    #                                   loads a warp waits for, summed (`decode_load_rounds`)
+    expert_latency_s: float = 0.0     # ... and their fit's latency: a launch's time beyond its roofline's
+    expert_launches: int = 0          # a trunk MoE block's routed-expert launches (decode)
+    expert_load_rounds: int = 0       # ... the rounds of weight loads a warp of them waits for, summed
+    #                                   (`decode_load_rounds`)
     kv_bytes_per_token: int = 0       # K/V bytes one context position adds, over all the pass's blocks
     host_kv_reads: int = 1            # how often attention reads a position held only in the host copy
     n_nodes: int = 0                  # kernel launches the pass replays
@@ -199,8 +201,10 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
         represented.setdefault(representative_of(hp, block), []).append(block)
     cost = PassCost(gpu=gpu, tokens=graph.graph["tokens"])
     decode = graph.graph["kind"] != "prefill"
-    cost.expert_efficiency = kernel_fit(gpu, {"op": "moe_down_matmul", "expert_layer": 0}, decode, in_l2).efficiency
+    expert_fit = kernel_fit(gpu, {"op": "moe_down_matmul", "expert_layer": 0}, decode, in_l2)
+    cost.expert_efficiency, cost.expert_latency_s = expert_fit.efficiency, expert_fit.latency_s
     load_rounds = {}            # trunk MoE block -> its expert launches' rounds
+    launches = {}               # ... and their count
     for name, node in graph.nodes(data=True):
         if not launched(node):
             continue
@@ -227,6 +231,7 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
             cost.experts.append((node["flops"], moved, fit, tiling, node["shape"][0]))
             if decode and rep is not None and rep < hp.n_trunk:
                 load_rounds[rep] = load_rounds.get(rep, 0) + decode_load_rounds(model, node)
+                launches[rep] = launches.get(rep, 0) + 1
             continue
         if stands_for == [None]:
             weights = np.array([weight_bytes], dtype=np.float64)
@@ -242,6 +247,7 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
         if in_moe_block:
             cost.block_fixed_s += float(seconds[stands_for.index(rep)])
     cost.expert_load_rounds = max(load_rounds.values(), default=0)
+    cost.expert_launches = max(launches.values(), default=0)
     return cost
 
 
@@ -271,25 +277,31 @@ def launch_totals(graph: nx.DiGraph, name: str) -> tuple:
 
 
 def node_roofline_s(graph: nx.DiGraph, name: str, gpu: GPU, model, context_tokens: int,
-                    tile_rows_per_pair: float = 1.0) -> float:
+                    tile_rows_per_pair: float = 1.0, host_experts: bool = False) -> float:
     """The roofline time of one node's launch (with the nodes it fuses) in a pass graph that holds every block,
     with `context_tokens` of K/V in VRAM: its FLOPs at the FP32 peak or its bytes at the read bandwidth,
     whichever is longer (what `pass_cost` charges it, before calibration). A routed-expert node reads the
     weights of as many experts as its rows can use (k a row, at most all of them), and computes
-    `tile_rows_per_pair` rows a pair."""
+    `tile_rows_per_pair` rows a pair; with `host_experts`, it reads them from the mapped host copy, at the
+    zero-copy read rate (`Kernels.decode_host_experts`)."""
     node = graph.nodes[name]
     flops, moved, _, weight_bytes = launch_totals(graph, name)
+    moved_s = 0.0
     if node["op"] == "attention":
         flops += node["flops_per_context_token"] * context_tokens
         moved += node["weight_bytes"] + node["kv_read"] * context_tokens
     elif "expert_layer" in node:
         hp = model.hparams
         used = min(hp.n_expert, graph.graph["tokens"] * hp.n_expert_used)
-        moved += sum(model.tensor_bytes[w] for w in node["weights"]) * used / hp.n_expert
+        expert_bytes = sum(model.tensor_bytes[w] for w in node["weights"]) * used / hp.n_expert
+        if host_experts:
+            moved_s = expert_bytes / gpu.zero_copy_read_bytes_per_s
+        else:
+            moved += expert_bytes
         flops *= tile_rows_per_pair
     else:
         moved += weight_bytes
-    return max(flops / gpu.fp32_flops, moved / gpu.memory_bandwidth_bytes_per_s)
+    return max(flops / gpu.fp32_flops, moved_s + moved / gpu.memory_bandwidth_bytes_per_s)
 
 
 def expert_node_tiles(tiling: Tiling, pairs, tile_rows_per_pair):

@@ -227,9 +227,11 @@ class DeviceCost:
     def window_s(self, tokens: int, depth, cache_slots, resident_tokens):
         """One decode window (a step, or the verify of 1 + n) at `depth`: every block's dense weights once, the
         resident K/V from VRAM, the rest read by attention from the host copy zero-copy (as prefill's), cache
-        hits from VRAM and misses zero-copy. A block whose window misses also waits the link's latency beyond
-        device memory's at each round of its expert launches' loads (`codegen.cost.decode_load_rounds`): the
-        demo model's steps took 24-35 us more than their bytes once any expert missed (BENCHMARKS.md, run 31)."""
+        hits from VRAM and misses zero-copy. A block whose window misses also pays its expert launches' latency
+        reading the host copy beyond reading slots: the profile's `decode_host_experts` fit where calibrated,
+        else the link's latency beyond device memory's at each round of their loads
+        (`codegen.cost.decode_load_rounds`): the demo model's steps took 24-35 us more than their bytes once any
+        expert missed (BENCHMARKS.md, run 31)."""
         g = self.gpu
         cost = self.cost("decode", tokens)
         resident = np.minimum(depth, resident_tokens)
@@ -239,12 +241,17 @@ class DeviceCost:
         else:
             miss_table, _, total, _ = self.window_tables(tokens)
             miss = miss_table.total(cache_slots)
-        experts_s = ((total - miss) / g.memory_bandwidth_bytes_per_s
-                     + miss / g.zero_copy_read_bytes_per_s) / cost.expert_efficiency
+        host = g.kernels.decode_host_experts
+        hits_s = (total - miss) / g.memory_bandwidth_bytes_per_s / cost.expert_efficiency
+        if host is None:        # uncalibrated: the link's latency beyond device memory's at each round of loads
+            experts_s = hits_s + miss / g.zero_copy_read_bytes_per_s / cost.expert_efficiency
+            missing_block_s = cost.expert_load_rounds * max(0.0, g.zero_copy_latency_s - g.read_latency_s)
+        else:                   # calibrated: a launch that reads the host copy, beyond one that reads slots
+            experts_s = hits_s + miss / g.zero_copy_read_bytes_per_s / host.efficiency
+            missing_block_s = cost.expert_launches * max(0.0, host.latency_s - cost.expert_latency_s)
         streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.zero_copy_read_bytes_per_s
-        link_latency_s = g.zero_copy_latency_s - g.read_latency_s
-        host_latency_s = (self.host_read_blocks(tokens).total(cache_slots) * cost.expert_load_rounds * link_latency_s
-                          if link_latency_s > 0 and cost.expert_load_rounds else 0.0)     # (the solver's hot path)
+        host_latency_s = (self.host_read_blocks(tokens).total(cache_slots) * missing_block_s
+                          if missing_block_s > 0 else 0.0)     # (the solver's hot path)
         return (cost.dense_s(depth, resident) + streamed_kv + experts_s + host_latency_s
                 + len(self.moe_blocks) * self.expert_compute_s("decode", tokens)
                 + cost.n_nodes * g.graph_node_overhead_s + self._host_calls_s(WINDOW_HOST_CALLS))

@@ -82,7 +82,11 @@ class Kernels:
     model's decode nodes take about half the time of the 2048-wide calibration model's); `prefill_l2_*`
     likewise price such a model's prefill chunks (its small kernels take a fraction of the latency in the
     2048-wide model's fit, BENCHMARKS.md, validation run 18); a profile that leaves one out gives it its
-    `decode_*` or `prefill_*` family's fit."""
+    `decode_*` or `prefill_*` family's fit. `decode_host_experts` prices a decode expert launch that reads its
+    experts from the mapped host copy (a cache miss), its roofline their bytes at the zero-copy read rate
+    (BENCHMARKS.md, run 36: the demo's launches took about twice what its bytes and the link's latency
+    priced); None where uncalibrated: the planner then prices the link's latency at each round of the
+    launches' loads (`codegen.cost.decode_load_rounds`)."""
     decode_matmul: KernelFit = KernelFit()
     decode_attention: KernelFit = KernelFit()
     decode_experts: KernelFit = KernelFit()
@@ -109,6 +113,7 @@ class Kernels:
     prefill_ring_copy: KernelFit = KernelFit()
     prefill_ring_call: KernelFit = KernelFit()
     prefill_ring_block: KernelFit = KernelFit()
+    decode_host_experts: KernelFit | None = None
 
 
 KERNEL_FAMILIES = tuple(f.name for f in fields(Kernels))
@@ -176,7 +181,9 @@ class Profile:
         """Hash of the figures (not of the file's text): reformatting a profile keeps its plans valid."""
         gpus = [asdict(g) for g in self.gpus]
         for figures in gpus:        # an uncalibrated profile keeps the fingerprint it had before calibration
-            if figures["kernels"] == asdict(Kernels()):
+            # and a family left uncalibrated (None) the fingerprint the profile had before the family existed
+            figures["kernels"] = {family: fit for family, fit in figures["kernels"].items() if fit is not None}
+            if figures["kernels"] == {f: fit for f, fit in asdict(Kernels()).items() if fit is not None}:
                 del figures["kernels"]
             if figures["zero_copy_latency_s"] == figures["read_latency_s"]:     # unmeasured: nothing priced
                 del figures["zero_copy_latency_s"], figures["read_latency_s"]

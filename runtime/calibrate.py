@@ -36,6 +36,11 @@ twice their time (BENCHMARKS.md, validation run 18). Three lengths tell prefill 
 (`KernelFit.walk_token_s`, `fit_walk`) from its latency and efficiency: at 256 and 512 rows a chunk's blocks
 all fit on the SMs and its time follows the last rows' walk through the context, at 4096 its FLOPs. A GPU whose
 L2 cannot hold it gives the `*_l2_*` families the `decode_*` and `prefill_*` fits.
+
+`decode_host_experts` is a decode expert launch reading every expert from the mapped host copy (a cache miss):
+both models decode once more under plans that cache no expert (`uncached_plan`), and their expert launches are
+fitted against their experts' bytes at the zero-copy read rate (`host_expert_samples`): the calibration model's
+tens of MB a launch tell the rate, the small model's few hundred KB the latency.
 """
 
 import itertools
@@ -54,10 +59,11 @@ from codegen.graph import prefill_tiling
 from codegen.lower.cuda import CapturedGraph, cuda
 from codegen.lower.moe import range_tiles
 from planner.architecture import tensor_layer
+from planner.errors import StratumError
 from planner.kv_lending import needed_pages
 from planner.model import load_model
 from planner.profile import GPU, L2_FAMILIES, TILED_FAMILIES, WALK_FAMILIES, KernelFit, Kernels, load_profile
-from planner.search import PAGE_TOKENS, solve
+from planner.search import MIN_RING_SLOTS, PAGE_TOKENS, solve
 from planner.workload import Workload
 from runtime.ceilings import spin, time_s
 from runtime.synthetic import realistic_weights, reduced_card
@@ -279,6 +285,9 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
         small_samples, small_gaps, small_launches = small_model_samples(profile_path, gpu, Path(folder) / "small",
                                                                         note)
         ring_fits = ring_host_terms(profile_path, Path(folder) / "small", note)
+        samples.extend(host_expert_samples(profile_path, gpu, card, (SHORT_CHUNK_TOKENS,), note))
+        small_card = reduced_card(CALIBRATION_BLOCKS, Path(folder) / "small", metadata=SMALL_SHAPE)
+        samples.extend(host_expert_samples(profile_path, gpu, small_card, SMALL_CONTEXTS, note))
         samples.extend(small_samples)
         host_gaps.extend(small_gaps)
         launches.extend(small_launches)
@@ -449,6 +458,55 @@ def small_model_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) 
     return samples, gaps, launches
 
 
+def host_expert_samples(profile_path: Path, gpu: GPU, card: Path, contexts: tuple, note=print) -> list:
+    """The `decode_host_experts` samples of `card`'s model: its decode expert launches under a plan that caches
+    none of its experts (`uncached_plan`), so that every launch reads the mapped host copy, after each of
+    `contexts` positions; their rooflines are their experts' bytes at the zero-copy read rate. The calibration
+    model's launches (tens of MB) tell the link's rate, the small model's (a few hundred KB) its latency (the
+    demo model's misses, BENCHMARKS.md run 36)."""
+    from runtime.engine import Engine
+
+    plan = uncached_plan(load_profile(profile_path), card, max(contexts) + PAGE_TOKENS, contexts[0])
+    rng = np.random.default_rng(0)
+    samples = []
+    with Engine(plan, card, tensors=realistic_weights(card, seed=1, skew=1.0), progress=False) as engine:
+        if engine.experts.n_cache:
+            raise RuntimeError(f"the uncached calibration plan caches {engine.experts.n_cache} experts")
+        for tokens in contexts:
+            for _ in range(2):      # the pass is lowered by the second
+                engine.generate(rng.integers(0, engine.hp.n_vocab, size=tokens).tolist(), 2)
+            samples += [sample for sample in timed_nodes(engine, gpu, "decode", 1, tokens, host_experts=True)
+                        if sample.family == "decode_host_experts"]
+    measured, roofline = (sum(getattr(s, key) for s in samples) / len(contexts) for key in ("measured_s", "roofline_s"))
+    note(f"  {card.stem}, every expert read from the host copy: its decode expert launches take {measured * 1e6:.4g} "
+         f"us a step ({len(samples) // len(contexts)} launches; their bytes at the zero-copy rate "
+         f"{roofline * 1e6:.4g} us)")
+    return samples
+
+
+def uncached_plan(profile, card: Path, context: int, chunk_tokens: int):
+    """The plan of `card` on the smallest VRAM that `profile`'s GPU can hold it in with every K/V page of
+    `context` resident, chunks of `chunk_tokens` and the fewest ring slots: one that caches no expert (the cache
+    takes what is left, so the smallest budget that fits leaves it none)."""
+    workload = Workload(prompts=((context, 1.0),), decode_tokens=8)
+    pins = {"kv_pages": int(needed_pages(context, PAGE_TOKENS)), "chunk_tokens": chunk_tokens,
+            "ring_slots": MIN_RING_SLOTS}
+
+    def plan_on(vram_bytes: int):
+        try:
+            return solve(profile.with_vram(vram_bytes), card, context=context, kv="f16", workload=workload, pins=pins)
+        except StratumError:
+            return None
+
+    fits, fails = profile.gpus[0].vram_bytes, profile.gpus[0].reserved_bytes
+    if plan_on(fits) is None:
+        raise RuntimeError("the small calibration model does not fit on this GPU")
+    while fits - fails > 1:      # the smallest budget that fits, by bisection
+        middle = (fits + fails) // 2
+        fits, fails = (middle, fails) if plan_on(middle) is not None else (fits, middle)
+    return plan_on(fits)
+
+
 def ring_host_terms(profile_path: Path, folder: Path, note=print) -> dict:
     """The prefill ring's host families (`prefill_ring_copy`, `prefill_ring_call`, `prefill_ring_block`), clocked
     in the SMALL_SHAPE model's engine (its card written into `folder`) under plans that cache half its experts
@@ -505,9 +563,11 @@ def fit_ring_host(blocks: list) -> dict:
             "prefill_ring_block": KernelFit(latency_s=float(block_s))}
 
 
-def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int, in_l2: bool = False) -> list:
+def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int, in_l2: bool = False,
+                host_experts: bool = False) -> list:
     """A `Sample` of every node of the engine's `kind` pass over `tokens` rows (a prefill pass's routed-expert
-    nodes computing the tiles of the routing the engine last read back), in the `*_l2_*` families if `in_l2`."""
+    nodes computing the tiles of the routing the engine last read back), in the `*_l2_*` families if `in_l2`;
+    with `host_experts` (an engine that caches no expert), its routed-expert nodes in `decode_host_experts`."""
     program = engine._program(kind, tokens)
     steps = program.steps
     decode = kind == "decode"
@@ -521,8 +581,11 @@ def timed_nodes(engine, gpu: GPU, kind: str, tokens: int, context: int, in_l2: b
     for step, measured in zip(steps, times):
         rows = tile_rows.get(tensor_layer(step.name), 1.0)
         tiled = node_tiles(program.graph, step.name, rows)
-        samples.append(Sample(kernel_family(program.graph.nodes[step.name], decode, in_l2), step.name,
-                              node_roofline_s(program.graph, step.name, gpu, engine.model, context + decode, rows),
+        node = program.graph.nodes[step.name]
+        from_host = host_experts and "expert_layer" in node
+        samples.append(Sample("decode_host_experts" if from_host else kernel_family(node, decode, in_l2), step.name,
+                              node_roofline_s(program.graph, step.name, gpu, engine.model, context + decode, rows,
+                                              from_host),
                               float(measured), None if tiled is None else
                               tuple(float(term) for term in tile_terms(gpu, *tiled)), context + decode))
     return samples

@@ -96,6 +96,8 @@ def kernels_document(kernels) -> dict:
     document = {}
     for family in KERNEL_FAMILIES:
         fit = getattr(kernels, family)
+        if fit is None:         # uncalibrated (`Kernels.decode_host_experts`)
+            continue
         document[family] = {"efficiency": float(f"{fit.efficiency:.3g}"), "latency": f"{fit.latency_s * 1e6:.3g} us"}
         if family in TILED_FAMILIES:
             document[family].update(weight_element=f"{fit.weight_element_s * 1e9:.3g} ns",

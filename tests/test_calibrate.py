@@ -1,6 +1,7 @@
 """The calibration's fit (runtime.calibrate.fit): what `stratum profile --detect` writes for a kernel family is
 the latency and efficiency its nodes' times say. The measuring itself needs a GPU (BENCHMARKS.md)."""
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -10,9 +11,11 @@ import yaml
 from codegen.cost import tiled_s, tiled_sm_s
 from codegen.graph import Tiling
 from planner.profile import KernelFit, Kernels, load_profile, parse_profile
-from runtime.calibrate import (FURTHER_TILE_GRID, RingBatches, Sample, fit, fit_families, fit_tiled, fit_walk,
-                               ring_batch_s, sample_s)
+from planner.search import PAGE_TOKENS
+from runtime.calibrate import (CALIBRATION_BLOCKS, FURTHER_TILE_GRID, SMALL_CONTEXTS, SMALL_SHAPE, RingBatches,
+                               Sample, fit, fit_families, fit_tiled, fit_walk, ring_batch_s, sample_s, uncached_plan)
 from runtime.detect import kernels_document
+from runtime.synthetic import reduced_card
 
 
 def test_fit_recovers_latency_and_efficiency(rng):
@@ -42,6 +45,31 @@ def test_a_kernel_far_below_its_roofline_is_written_so_that_it_reads_back(rng):
     document["gpus"][0]["kernels"] = kernels_document(Kernels(prefill_grouping=grouping))
     profile = parse_profile(yaml.safe_load(yaml.safe_dump(document)), source="test")
     assert profile.gpus[0].kernels.prefill_grouping.efficiency == pytest.approx(1.3e-4, rel=1e-2)
+
+
+def test_the_host_experts_family_is_left_out_until_calibrated_and_reads_back(rng):
+    """`decode_host_experts` is None in a profile that never measured it (the planner then prices the link's
+    latency a load round), and is written and read back once fitted."""
+    document = yaml.safe_load((Path(__file__).parents[1] / "plans/hardware/h200-141g.yaml").read_text())
+    assert "decode_host_experts" not in kernels_document(Kernels())
+    assert parse_profile(document, source="test").gpus[0].kernels.decode_host_experts is None
+    host = KernelFit(efficiency=float(rng.uniform(0.2, 0.9)), latency_s=float(rng.uniform(2e-6, 9e-6)))
+    document["gpus"][0]["kernels"] = kernels_document(Kernels(decode_host_experts=host))
+    read = parse_profile(yaml.safe_load(yaml.safe_dump(document)), source="test").gpus[0].kernels.decode_host_experts
+    assert read.efficiency == pytest.approx(host.efficiency, rel=1e-2)
+    assert read.latency_s == pytest.approx(host.latency_s, rel=1e-2)
+
+
+def test_the_uncached_calibration_plan_caches_no_expert_and_keeps_every_kv_page():
+    """`uncached_plan`: the small calibration model on the smallest budget that holds it, so every decode
+    expert launch reads the host copy; its whole context's K/V stays in VRAM (attention reads no host K/V)."""
+    profile = load_profile("h200-141g")
+    with tempfile.TemporaryDirectory() as folder:
+        card = reduced_card(CALIBRATION_BLOCKS, Path(folder), metadata=SMALL_SHAPE)
+        context = max(SMALL_CONTEXTS) + PAGE_TOKENS
+        plan = uncached_plan(profile, card, context, SMALL_CONTEXTS[0])
+        assert plan.knobs["expert_cache_slots"] == [0]
+        assert plan.knobs["kv_resident_tokens"] >= context
 
 
 def test_fit_gives_a_familys_nodes_their_measured_total(rng):

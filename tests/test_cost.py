@@ -132,6 +132,52 @@ def test_a_decode_step_that_misses_waits_the_links_latency_at_each_load_round(rn
     assert (gap == 0.0) == (cached_share == 1.0)
 
 
+@pytest.mark.parametrize("cached_share", [0.0, 0.5, 1.0])
+def test_a_calibrated_decode_step_prices_its_misses_by_the_host_experts_fit(rng, qwen, cached_share):
+    """With `decode_host_experts` fitted, a step's missed expert bytes take the zero-copy rate over that fit's
+    efficiency, and each block that misses pays its 2 expert launches' latency beyond the resident fit's (the
+    load rounds' estimate is then unused). Nothing changes when every expert is cached."""
+    gpu = load_profile("h200-141g").gpus[0]
+    resident_s = gpu.kernels.decode_experts.latency_s
+    efficiency, latency_s = rng.uniform(0.3, 0.9), resident_s + rng.uniform(1e-6, 8e-6)
+    fits = [KernelFit(efficiency, latency_s), KernelFit(efficiency, latency_s + 3e-6),
+            KernelFit(efficiency / 2, latency_s)]
+    costs = []
+    for host in fits:
+        calibrated = dataclasses.replace(gpu, kernels=dataclasses.replace(gpu.kernels, decode_host_experts=host))
+        share = DeviceShare(0, calibrated, tuple(range(qwen.hparams.n_trunk)), True, True)
+        costs.append(DeviceCost(qwen, share, KV, Workload(prompts=((2048, 1.0),), decode_tokens=8), mtp=False))
+    per_block = int(cached_share * qwen.hparams.n_expert)
+    slots = per_block * len(costs[0].moe_blocks)
+    steps = [float(cost.window_s(1, 2048, slots, 2048)) for cost in costs]
+    uncached = np.minimum(costs[0].popularity[:, per_block:], 1.0)
+    chance = 1.0 - np.prod(1.0 - uncached, axis=1)
+    assert steps[1] - steps[0] == pytest.approx(chance.sum() * 2 * 3e-6, rel=1e-9, abs=1e-15)
+    miss_bytes = costs[0].step_miss_bytes.total(slots)
+    assert steps[2] - steps[0] == pytest.approx(miss_bytes / gpu.zero_copy_read_bytes_per_s / efficiency,
+                                                rel=1e-9, abs=1e-15)
+    assert (steps[0] == steps[1] == steps[2]) == (cached_share == 1.0)
+
+
+def test_a_host_expert_nodes_roofline_reads_its_experts_at_the_zero_copy_rate(qwen):
+    """`node_roofline_s(host_experts=True)` (the `decode_host_experts` calibration's): a decode expert launch's
+    expert bytes at the zero-copy read rate instead of device memory's; other nodes unchanged."""
+    graph = build_pass(qwen, "decode", 1, KV, layers=representative_layers(qwen.hparams))
+    gpu = load_profile("h200-141g").gpus[0]
+    for name, node in graph.nodes(data=True):
+        if not launched(node):
+            continue
+        device_s, host_s = (codegen_cost.node_roofline_s(graph, name, gpu, qwen, 512, host_experts=host)
+                            for host in (False, True))
+        if "expert_layer" not in node:
+            assert host_s == device_s
+            continue
+        expert_bytes = sum(qwen.tensor_bytes[w] for w in node["weights"]) * qwen.hparams.n_expert_used \
+            / qwen.hparams.n_expert
+        assert host_s - device_s == pytest.approx(expert_bytes / gpu.zero_copy_read_bytes_per_s
+                                                  - expert_bytes / gpu.memory_bandwidth_bytes_per_s, rel=1e-6)
+
+
 def test_prefills_output_head_row_is_a_decode_family_node(qwen):
     """A prefill chunk's one head row goes through the decode family's GEMV (it reads the weights once; the
     prefill tiles would compute 128 rows): priced as decode_matmul, every other matmul as prefill_matmul."""
