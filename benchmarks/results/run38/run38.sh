@@ -5,9 +5,9 @@ P=$OUT/h200-detected-2026-12-04-run38.yaml
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.current.sm,clocks.current.memory --format=csv | tee $OUT/gpu.txt
 echo "== detect $(date)"
-timeout 440 python3 -m planner.cli profile --detect -o $P --name h200-141g --samples $OUT/h200-samples-2026-12-04-run38.json > $OUT/detect.txt 2>&1; echo "detect rc $?"; grep -v "Warning\|warn(" $OUT/detect.txt | tail -42
+timeout 400 python3 -m planner.cli profile --detect -o $P --name h200-141g --samples $OUT/h200-samples-2026-12-04-run38.json > $OUT/detect.txt 2>&1; echo "detect rc $?"; grep -v "Warning\|warn(" $OUT/detect.txt | tail -42
 grep -q decode_host_experts $P || exit 3
-LEFT=$(( 575 - ($(date +%s) - T0) ))
+LEFT=$(( 515 - ($(date +%s) - T0) ))
 echo "== validate demo $(date), ${LEFT} s left"
 timeout $LEFT python3 benchmarks/validate.py --profile $P --model demo --prompts 256 768 --json $OUT/validate-demo.json > $OUT/validate-demo.txt 2>&1; echo "rc $?"; tail -22 $OUT/validate-demo.txt
 echo "== end $(date)"
