@@ -117,7 +117,6 @@ class PassCost:
     experts: list = field(default_factory=list)     # one MoE block's routed-expert nodes: (flops, bytes, fit,
     #                                                 tiling: prefill's, None for decode's; pairs)
     expert_efficiency: float = 1.0    # the expert kernels' fit: the planner divides their weight reads by it
-    expert_latency_s: float = 0.0     # ... and their fit's latency: a launch's time beyond its roofline's
     expert_launches: int = 0          # a trunk MoE block's routed-expert launches (decode)
     expert_load_rounds: int = 0       # ... the rounds of weight loads a warp of them waits for, summed
     #                                   (`decode_load_rounds`)
@@ -201,8 +200,7 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
         represented.setdefault(representative_of(hp, block), []).append(block)
     cost = PassCost(gpu=gpu, tokens=graph.graph["tokens"])
     decode = graph.graph["kind"] != "prefill"
-    expert_fit = kernel_fit(gpu, {"op": "moe_down_matmul", "expert_layer": 0}, decode, in_l2)
-    cost.expert_efficiency, cost.expert_latency_s = expert_fit.efficiency, expert_fit.latency_s
+    cost.expert_efficiency = kernel_fit(gpu, {"op": "moe_down_matmul", "expert_layer": 0}, decode, in_l2).efficiency
     load_rounds = {}            # trunk MoE block -> its expert launches' rounds
     launches = {}               # ... and their count
     for name, node in graph.nodes(data=True):

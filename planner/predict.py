@@ -227,8 +227,8 @@ class DeviceCost:
     def window_s(self, tokens: int, depth, cache_slots, resident_tokens):
         """One decode window (a step, or the verify of 1 + n) at `depth`: every block's dense weights once, the
         resident K/V from VRAM, the rest read by attention from the host copy zero-copy (as prefill's), cache
-        hits from VRAM and misses zero-copy. A block whose window misses also pays its expert launches' latency
-        reading the host copy beyond reading slots: the profile's `decode_host_experts` fit where calibrated,
+        hits from VRAM and misses zero-copy. A block whose window misses also pays what its expert launches' latency
+        adds when they read the host copy: the profile's `decode_host_experts` fit where calibrated,
         else the link's latency beyond device memory's at each round of their loads
         (`codegen.cost.decode_load_rounds`): the demo model's steps took 24-35 us more than their bytes once any
         expert missed (BENCHMARKS.md, run 31)."""
@@ -246,9 +246,9 @@ class DeviceCost:
         if host is None:        # uncalibrated: the link's latency beyond device memory's at each round of loads
             experts_s = hits_s + miss / g.zero_copy_read_bytes_per_s / cost.expert_efficiency
             missing_block_s = cost.expert_load_rounds * max(0.0, g.zero_copy_latency_s - g.read_latency_s)
-        else:                   # calibrated: a launch that reads the host copy, beyond one that reads slots
+        else:                   # calibrated: what a launch that reads the host copy adds to one that reads slots
             experts_s = hits_s + miss / g.zero_copy_read_bytes_per_s / host.efficiency
-            missing_block_s = cost.expert_launches * max(0.0, host.latency_s - cost.expert_latency_s)
+            missing_block_s = cost.expert_launches * host.latency_s
         streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.zero_copy_read_bytes_per_s
         host_latency_s = (self.host_read_blocks(tokens).total(cache_slots) * missing_block_s
                           if missing_block_s > 0 else 0.0)     # (the solver's hot path)

@@ -82,10 +82,10 @@ class Kernels:
     model's decode nodes take about half the time of the 2048-wide calibration model's); `prefill_l2_*`
     likewise price such a model's prefill chunks (its small kernels take a fraction of the latency in the
     2048-wide model's fit, BENCHMARKS.md, validation run 18); a profile that leaves one out gives it its
-    `decode_*` or `prefill_*` family's fit. `decode_host_experts` prices a decode expert launch that reads its
-    experts from the mapped host copy (a cache miss), its roofline their bytes at the zero-copy read rate
-    (BENCHMARKS.md, run 36: the demo's launches took about twice what its bytes and the link's latency
-    priced); None where uncalibrated: the planner then prices the link's latency at each round of the
+    `decode_*` or `prefill_*` family's fit. `decode_host_experts` prices what a decode expert launch adds when it
+    reads its experts from the mapped host copy (a cache miss) instead of slots, its roofline their bytes at
+    the zero-copy read rate (BENCHMARKS.md, run 37: the demo's launches added more than their bytes and the
+    link's latency priced); None where uncalibrated: the planner then prices the link's latency at each round of the
     launches' loads (`codegen.cost.decode_load_rounds`)."""
     decode_matmul: KernelFit = KernelFit()
     decode_attention: KernelFit = KernelFit()

@@ -37,10 +37,11 @@ twice their time (BENCHMARKS.md, validation run 18). Three lengths tell prefill 
 all fit on the SMs and its time follows the last rows' walk through the context, at 4096 its FLOPs. A GPU whose
 L2 cannot hold it gives the `*_l2_*` families the `decode_*` and `prefill_*` fits.
 
-`decode_host_experts` is a decode expert launch reading every expert from the mapped host copy (a cache miss):
-both models decode once more under plans that cache no expert (`uncached_plan`), and their expert launches are
-fitted against their experts' bytes at the zero-copy read rate (`host_expert_samples`): the calibration model's
-tens of MB a launch tell the rate, the small model's few hundred KB the latency.
+`decode_host_experts` is what a decode expert launch adds when it reads its experts from the mapped host copy (a
+cache miss): both models decode once more under plans that cache no expert (`uncached_plan`), and each expert
+launch's time beyond the same launch's with every expert cached is fitted against its experts' bytes at the
+zero-copy read rate (`host_expert_samples`): the calibration model's tens of MB a launch tell the rate, the
+small model's few hundred KB the latency.
 """
 
 import itertools
@@ -258,7 +259,7 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
     `gpu` the same figures, against which rooflines are taken."""
     from runtime.engine import Engine       # the engine imports the planner and every kernel: only when run
 
-    samples, host_gaps, launches = [], [], []
+    samples, host_gaps, launches, decode_samples = [], [], [], []
     with tempfile.TemporaryDirectory() as folder:
         card, plan = calibration_plan(profile_path, Path(folder))
         note(f"calibration model: {card.stem}, prompts of {CHUNK_TOKENS} and {SHORT_CHUNK_TOKENS} tokens (one "
@@ -280,14 +281,16 @@ def calibrate(profile_path: Path, gpu: GPU, note=print) -> tuple[Kernels, list]:
             for tokens in (CHUNK_TOKENS, LONG_CONTEXT_TOKENS):
                 for _ in range(2):      # the pass is lowered by the second
                     engine.generate(rng.integers(0, vocab, size=tokens).tolist(), 2)
-                samples.extend(timed_nodes(engine, gpu, "decode", 1, tokens))
+                decode_samples += timed_nodes(engine, gpu, "decode", 1, tokens)
+        samples.extend(decode_samples)
         (Path(folder) / "small").mkdir()
         small_samples, small_gaps, small_launches = small_model_samples(profile_path, gpu, Path(folder) / "small",
                                                                         note)
         ring_fits = ring_host_terms(profile_path, Path(folder) / "small", note)
-        samples.extend(host_expert_samples(profile_path, gpu, card, (SHORT_CHUNK_TOKENS,), note))
-        small_card = reduced_card(CALIBRATION_BLOCKS, Path(folder) / "small", metadata=SMALL_SHAPE)
-        samples.extend(host_expert_samples(profile_path, gpu, small_card, SMALL_CONTEXTS, note))
+        samples.extend(host_expert_samples(profile_path, gpu, card, (SHORT_CHUNK_TOKENS,), decode_samples, note))
+        if small_samples:       # (none where the small model's weights overflow L2: the large model's alone)
+            small_card = reduced_card(CALIBRATION_BLOCKS, Path(folder) / "small", metadata=SMALL_SHAPE)
+            samples.extend(host_expert_samples(profile_path, gpu, small_card, SMALL_CONTEXTS, small_samples, note))
         samples.extend(small_samples)
         host_gaps.extend(small_gaps)
         launches.extend(small_launches)
@@ -458,14 +461,20 @@ def small_model_samples(profile_path: Path, gpu: GPU, folder: Path, note=print) 
     return samples, gaps, launches
 
 
-def host_expert_samples(profile_path: Path, gpu: GPU, card: Path, contexts: tuple, note=print) -> list:
-    """The `decode_host_experts` samples of `card`'s model: its decode expert launches under a plan that caches
-    none of its experts (`uncached_plan`), so that every launch reads the mapped host copy, after each of
-    `contexts` positions; their rooflines are their experts' bytes at the zero-copy read rate. The calibration
-    model's launches (tens of MB) tell the link's rate, the small model's (a few hundred KB) its latency (the
-    demo model's misses, BENCHMARKS.md run 36)."""
+def host_expert_samples(profile_path: Path, gpu: GPU, card: Path, contexts: tuple, resident: list,
+                        note=print) -> list:
+    """The `decode_host_experts` samples of `card`'s model: what each decode expert launch adds when it reads
+    its experts from the mapped host copy instead of VRAM slots. The launches run under a plan that caches none
+    of its experts (`uncached_plan`), after each of `contexts` positions; from each is taken the median time of
+    the same node in `resident` (that model's decode samples with every expert cached); its roofline is its
+    experts' bytes at the zero-copy read rate. The calibration model's launches (tens of MB) tell the link's
+    rate, the small model's (a few hundred KB) its latency (the demo model's misses, BENCHMARKS.md run 37)."""
     from runtime.engine import Engine
 
+    cached = defaultdict(list)
+    for sample in resident:
+        if sample.family.startswith("decode") and sample.family.endswith("_experts"):
+            cached[sample.node].append(sample.measured_s)
     plan = uncached_plan(load_profile(profile_path), card, max(contexts) + PAGE_TOKENS, contexts[0])
     rng = np.random.default_rng(0)
     samples = []
@@ -475,12 +484,15 @@ def host_expert_samples(profile_path: Path, gpu: GPU, card: Path, contexts: tupl
         for tokens in contexts:
             for _ in range(2):      # the pass is lowered by the second
                 engine.generate(rng.integers(0, engine.hp.n_vocab, size=tokens).tolist(), 2)
-            samples += [sample for sample in timed_nodes(engine, gpu, "decode", 1, tokens, host_experts=True)
-                        if sample.family == "decode_host_experts"]
-    measured, roofline = (sum(getattr(s, key) for s in samples) / len(contexts) for key in ("measured_s", "roofline_s"))
-    note(f"  {card.stem}, every expert read from the host copy: its decode expert launches take {measured * 1e6:.4g} "
-         f"us a step ({len(samples) // len(contexts)} launches; their bytes at the zero-copy rate "
-         f"{roofline * 1e6:.4g} us)")
+            samples += [sample._replace(measured_s=sample.measured_s - float(np.median(cached[sample.node])))
+                        for sample in timed_nodes(engine, gpu, "decode", 1, tokens, host_experts=True)
+                        if sample.family == "decode_host_experts" and sample.node in cached]
+    if not samples:
+        raise RuntimeError(f"{card.stem}: no decode expert launch was timed with its experts cached")
+    added, roofline = (sum(getattr(s, key) for s in samples) / len(contexts) for key in ("measured_s", "roofline_s"))
+    note(f"  {card.stem}, every expert read from the host copy: its decode expert launches take {added * 1e6:.4g} "
+         f"us a step more than from slots ({len(samples) // len(contexts)} launches; their bytes at the zero-copy "
+         f"rate {roofline * 1e6:.4g} us)")
     return samples
 
 
