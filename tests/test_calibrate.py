@@ -51,6 +51,7 @@ def test_the_host_experts_family_is_left_out_until_calibrated_and_reads_back(rng
     """`decode_host_experts` is None in a profile that never measured it (the planner then prices the link's
     latency a load round), and is written and read back once fitted."""
     document = yaml.safe_load((Path(__file__).parents[1] / "plans/hardware/h200-141g.yaml").read_text())
+    document["gpus"][0]["kernels"].pop("decode_host_experts", None)
     assert "decode_host_experts" not in kernels_document(Kernels())
     assert parse_profile(document, source="test").gpus[0].kernels.decode_host_experts is None
     host = KernelFit(efficiency=float(rng.uniform(0.2, 0.9)), latency_s=float(rng.uniform(2e-6, 9e-6)))
