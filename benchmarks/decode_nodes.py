@@ -22,13 +22,12 @@ from benchmarks.validate import DEMO_CONTEXT, demo_budgets
 from codegen.lower.cuda import device_name
 from planner.search import solve
 from planner.workload import Workload
+from plans import HARDWARE_DIR
 from runtime.calibrate import node_times_s, replay_s
 from runtime.ceilings import read_bandwidth_bytes_per_s
 from runtime.engine import Engine
 from runtime.synthetic import realistic_weights, reduced_card
 from tools.demo import DEMO_PATH
-
-BUNDLED_PROFILE = Path(__file__).resolve().parents[1] / "plans" / "hardware" / "h200-141g.yaml"
 
 
 def node_times_us(engine, repeats: int) -> tuple[list, np.ndarray, float]:
@@ -45,7 +44,7 @@ def main():
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1984])
     parser.add_argument("--demo-fractions", type=float, nargs="+", default=[0.5, 1.0],
                         help="the demo's budgets, as fractions of its resident plan's bytes")
-    parser.add_argument("--profile", default=str(BUNDLED_PROFILE), help="the profile the demo's budgets scale")
+    parser.add_argument("--profile", default=str(HARDWARE_DIR / "h200-141g.yaml"), help="the profile the demo's budgets scale")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     read = read_bandwidth_bytes_per_s()

@@ -512,7 +512,7 @@ def uncached_plan(profile, card: Path, context: int, chunk_tokens: int):
 
     fits, fails = profile.gpus[0].vram_bytes, profile.gpus[0].reserved_bytes
     if plan_on(fits) is None:
-        raise RuntimeError("the small calibration model does not fit on this GPU")
+        raise RuntimeError(f"{card.stem} does not fit on this GPU")
     while fits - fails > 1:      # the smallest budget that fits, by bisection
         middle = (fits + fails) // 2
         fits, fails = (middle, fails) if plan_on(middle) is not None else (fits, middle)

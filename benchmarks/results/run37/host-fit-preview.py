@@ -15,12 +15,13 @@ import yaml
 
 from planner.model import load_model
 from planner.profile import Kernels, load_profile
+from plans import HARDWARE_DIR
 from runtime.calibrate import fit
 from runtime.detect import kernels_document
 from tools.demo import DEMO_PATH
 
 HERE = Path(__file__).parent
-BUNDLED = HERE.parents[2] / "plans" / "hardware" / "h200-141g.yaml"
+BUNDLED = HARDWARE_DIR / "h200-141g.yaml"
 
 
 def op_times_us(text: str) -> list:
