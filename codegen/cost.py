@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
-from codegen.graph import (EXPERT_TILE_ROWS, TILE_WEIGHT_ROWS, TILED_OPS, Tiling, expert_tiles, launch_members,
-                           launched, prefill_tiling, representative_of)
+from codegen.graph import (ATTENTION_SPLITS, EXPERT_TILE_ROWS, TILE_WEIGHT_ROWS, TILED_OPS, Tiling, expert_tiles,
+                           launch_members, launched, prefill_tiling, representative_of)
 from planner.architecture import tensor_layer
+from planner.kv import parse_kv_type
 from planner.model import split_bytes
 from planner.profile import GPU, TILED_FAMILIES, KernelFit
 
@@ -38,6 +39,13 @@ ATTENTION_OPS = ("attention", "attention_combine")
 GROUPING_OPS = ("moe_groups", "moe_route")     # one thread block each: they follow no roofline
 DECODE_ROUND_BYTES = 32 * 16    # a warp's loads of a weight row in flight at once: a 16-byte chunk a lane
 #                                 (codegen.lower.matmul.CHUNK_WORDS words), one chunk in flight (unroll 1)
+# decode attention's shape (codegen.lower.attention_decode, whose constants tests/test_cost.py checks these
+# against): a warp's tile of positions, the K chunks and V rows it has in flight, and a block's warps on a GPU
+DECODE_ATTENTION_TILE = 32
+DECODE_ATTENTION_K_CHUNK_BYTES = 16
+DECODE_ATTENTION_K_AHEAD = 4
+DECODE_ATTENTION_V_AHEAD = 8
+DECODE_ATTENTION_WARPS = 4
 
 
 def kernel_family(node: dict, decode: bool, in_l2: bool = False) -> str:
@@ -120,6 +128,8 @@ class PassCost:
     expert_launches: int = 0          # a trunk MoE block's routed-expert launches (decode)
     expert_load_rounds: int = 0       # ... the rounds of weight loads a warp of them waits for, summed
     #                                   (`decode_load_rounds`)
+    kv_tile_rounds: int = 0           # decode: the rounds of K/V loads a warp waits for in one tile of one row,
+    #                                   summed over the pass's attention launches (`decode_kv_rounds`)
     kv_bytes_per_token: int = 0       # K/V bytes one context position adds, over all the pass's blocks
     host_kv_reads: int = 1            # how often attention reads a position held only in the host copy
     n_nodes: int = 0                  # kernel launches the pass replays
@@ -223,6 +233,8 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
                                    len(stands_for), fit))
             cost.kv_bytes_per_token += node["kv_read"] * len(stands_for)
             cost.host_kv_reads = node.get("kv_reads", 1)
+            if decode:
+                cost.kv_tile_rounds += decode_kv_rounds(model, graph.graph["kv"]) * len(stands_for)
             continue
         tiling = prefill_tiling(node) if is_tiled(node, decode) else None
         if "expert_layer" in node:
@@ -256,6 +268,22 @@ def decode_load_rounds(model, node: dict) -> int:
     the link's latency beyond device memory's at each (`planner.predict`)."""
     weight_type = next(t.ggml_type for t in model.tensors if t.name == node["weights"][0])
     return -(-split_bytes(weight_type, node["n_in"])[0] // DECODE_ROUND_BYTES)
+
+
+def decode_kv_rounds(model, kv_name: str) -> int:
+    """The rounds of K/V loads one warp of decode attention waits for, one after another, in a tile of one row:
+    its lanes' K rows in 16-byte chunks, K_AHEAD in flight (f16, head dim 128: 4 rounds), then the tile's V rows,
+    V_AHEAD positions in flight (4). A tile read from the host copy waits the link's latency at each."""
+    k_quant_bytes = split_bytes(parse_kv_type(kv_name).k_type, model.hparams.head_dim_k)[0]
+    k_chunks = -(-k_quant_bytes // DECODE_ATTENTION_K_CHUNK_BYTES)
+    return -(-k_chunks // DECODE_ATTENTION_K_AHEAD) + DECODE_ATTENTION_TILE // DECODE_ATTENTION_V_AHEAD
+
+
+def decode_host_kv_tiles(host_positions):
+    """The tiles of host-copy positions the busiest warp of a decode attention launch reads in turn: the
+    context's tiles are dealt to ATTENTION_SPLITS blocks of DECODE_ATTENTION_WARPS warps, the oldest first."""
+    tiles = -(-np.asarray(host_positions) // DECODE_ATTENTION_TILE)
+    return -(-tiles // (ATTENTION_SPLITS * DECODE_ATTENTION_WARPS))
 
 
 def activation_bytes(graph: nx.DiGraph, name: str) -> int:

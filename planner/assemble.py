@@ -208,7 +208,7 @@ def explanations(problem: Problem, knobs: Knobs, plan_devices: list) -> dict:
     if problem.mtp:
         depth = max(t for t, _ in problem.workload.prompts)
         per_n = []
-        resident = problem.resident_tokens(knobs.kv_pages)
+        resident = problem.resident_at(knobs.kv_pages, depth)
         cache = problem.decode_cache_slots(knobs.kv_pages, list(knobs.cache_slots), depth)
         draft = sum(c.draft_s(depth, problem.workload.drafter_window) for c in problem.costs)
         a = problem.workload.draft_acceptance

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from codegen.cost import expected_tile_rows_per_pair, pass_cost, weights_in_l2
+from codegen.cost import decode_host_kv_tiles, expected_tile_rows_per_pair, pass_cost, weights_in_l2
 from codegen.graph import build_pass, representative_layers
 from planner.kv import KVType
 from planner.profile import GPU
@@ -242,14 +242,19 @@ class DeviceCost:
             miss_table, _, total, _ = self.window_tables(tokens)
             miss = miss_table.total(cache_slots)
         host = g.kernels.decode_host_experts
+        link_latency_s = max(0.0, g.zero_copy_latency_s - g.read_latency_s)
         hits_s = (total - miss) / g.memory_bandwidth_bytes_per_s / cost.expert_efficiency
         if host is None:        # uncalibrated: the link's latency beyond device memory's at each round of loads
             experts_s = hits_s + miss / g.zero_copy_read_bytes_per_s / cost.expert_efficiency
-            missing_block_s = cost.expert_load_rounds * max(0.0, g.zero_copy_latency_s - g.read_latency_s)
+            missing_block_s = cost.expert_load_rounds * link_latency_s
         else:                   # calibrated: what a launch that reads the host copy adds to one that reads slots
             experts_s = hits_s + miss / g.zero_copy_read_bytes_per_s / host.efficiency
             missing_block_s = cost.expert_launches * host.latency_s
-        streamed_kv = (depth - resident) * cost.kv_bytes_per_token / g.zero_copy_read_bytes_per_s
+        # host K/V: its bytes at the zero-copy rate, and the link's latency beyond device memory's at each round
+        # of loads the busiest warp of each attention launch waits for, row after row (`decode_kv_rounds`): the
+        # demo's step took 33 us more than its 288 host positions' bytes (BENCHMARKS.md, run 37)
+        streamed_kv = ((depth - resident) * cost.kv_bytes_per_token / g.zero_copy_read_bytes_per_s
+                       + tokens * cost.kv_tile_rounds * decode_host_kv_tiles(depth - resident) * link_latency_s)
         host_latency_s = (self.host_read_blocks(tokens).total(cache_slots) * missing_block_s
                           if missing_block_s > 0 else 0.0)     # (the solver's hot path)
         return (cost.dense_s(depth, resident) + streamed_kv + experts_s + host_latency_s

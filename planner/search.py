@@ -73,6 +73,13 @@ class Problem:
         pages = np.asarray(pages)
         return np.where(pages >= self.full_pages, self.context_tokens, (pages - 1) * self.page_tokens)
 
+    def resident_at(self, pages, depth):
+        """Positions 0..depth that a decode step at `depth` finds in VRAM: its ring holds the pages from the one it
+        writes back, the older ones only in the host copy (never fewer than `resident_tokens`)."""
+        pages, depth = np.asarray(pages), np.asarray(depth)
+        host_pages = np.maximum(depth // self.page_tokens + 1 - pages, 0)
+        return np.where(pages >= self.full_pages, depth, depth - host_pages * self.page_tokens)
+
     @property
     def drafter_pages(self) -> int:
         """The drafter's K/V ring: its window and one page (a window straddles one more). A prompt pass stores
@@ -267,7 +274,7 @@ def prefill_s(problem: Problem, read: int, start: int, chunk: int, pages, ring_s
 def decode_per_draft_depth(problem: Problem, depth: int, pages, cache_slots) -> list:
     """Seconds per generated token at `depth` for each draft depth (index 0: no drafting), the expert cache
     grown by the K/V pages a request of that depth lends it."""
-    resident = problem.resident_tokens(pages)
+    resident = problem.resident_at(pages, depth)
     cache_slots = problem.decode_cache_slots(pages, cache_slots, depth)
     step = sum(c.window_s(1, depth, s, resident) for c, s in zip(problem.costs, cache_slots))
     per_depth = [step]

@@ -76,22 +76,47 @@ def test_a_chunk_reading_host_kv_is_slower_by_its_rereads_over_the_link(qwen):
     assert float(from_host - resident) == pytest.approx(host_read_s - float(attention_gap), rel=1e-6)
 
 
-def test_a_decode_step_reads_the_positions_its_ring_lost_from_the_host_copy_zero_copy(qwen):
-    """A decode step at a depth its K/V ring does not hold reads the older positions' K/V from the host copy
+@pytest.mark.parametrize("tokens, host_tokens, tiles_a_warp", [(1, 3072, 1), (3, 3072, 1), (1, 8192 + 32, 2)])
+def test_a_decode_window_reads_the_positions_its_ring_lost_from_the_host_copy_zero_copy(
+        rng, qwen, tokens, host_tokens, tiles_a_warp):
+    """A decode window at a depth its K/V ring does not hold reads the older positions' K/V from the host copy
     through mapped memory, as prefill's attention does: their bytes at the zero-copy bandwidth, not the pinned
-    copy's (run 31's 8 GB row at 4096 tokens, priced at the copy's, ran 11% under its prediction)."""
+    copy's (run 31's 8 GB row at 4096 tokens, priced at the copy's, ran 11% under its prediction); and each of
+    its 48 attention launches waits the link's latency beyond device memory's at each of its busiest warp's
+    rounds of loads, for each of its rows: Qwen3-30B's f16 K row of a head is 16 chunks, 4 rounds, then a tile's
+    32 V rows 4 more. A warp takes one tile of 32 positions in 256 (64 splits of 4 warps): 3072 host positions
+    are one tile a warp, 8224 two (the demo's 50% / 768 row took 33 us a step beyond its host bytes, run 37)."""
     gpu = load_profile("h200-141g").gpus[0]
-    gpu = dataclasses.replace(gpu, zero_copy_read_bytes_per_s=gpu.host_to_device_bytes_per_s / 3)
+    gpu = dataclasses.replace(gpu, zero_copy_read_bytes_per_s=gpu.host_to_device_bytes_per_s / 3,
+                              read_latency_s=rng.uniform(0.2e-6, 0.5e-6), zero_copy_latency_s=rng.uniform(1e-6, 3e-6))
     share = DeviceShare(0, gpu, tuple(range(qwen.hparams.n_trunk)), True, True)
     device = DeviceCost(qwen, share, KV, Workload(prompts=((4096, 1.0),), decode_tokens=8), mtp=False)
     n_cache = qwen.hparams.n_expert * len(device.moe_blocks)
-    depth, ring_tokens = 4096, 1024
-    resident = device.window_s(1, depth, n_cache, depth)
-    from_host = device.window_s(1, depth, n_cache, ring_tokens)
-    cost = device.cost("decode", 1)
+    depth = 16384
+    ring_tokens = depth - host_tokens
+    resident = device.window_s(tokens, depth, n_cache, depth)
+    from_host = device.window_s(tokens, depth, n_cache, ring_tokens)
+    cost = device.cost("decode", tokens)
     attention_gap = cost.attention_s(depth, depth) - cost.attention_s(depth, ring_tokens)
-    host_read_s = (depth - ring_tokens) * cost.kv_bytes_per_token / gpu.zero_copy_read_bytes_per_s
-    assert float(from_host - resident) == pytest.approx(host_read_s - float(attention_gap), rel=1e-6)
+    host_read_s = host_tokens * cost.kv_bytes_per_token / gpu.zero_copy_read_bytes_per_s
+    latency_s = tokens * 48 * 8 * tiles_a_warp * (gpu.zero_copy_latency_s - gpu.read_latency_s)
+    assert float(from_host - resident) == pytest.approx(host_read_s + latency_s - float(attention_gap), rel=1e-6)
+
+
+def test_decode_attentions_rounds_follow_its_kernel():
+    """The cost model's copy of the decode attention kernel's shape is the kernel's: a tile a lane's position,
+    16-byte K chunks, the chunks and V rows in flight, and 4 warps a block for the bundled models' heads."""
+    from codegen.lower import attention_decode
+    assert codegen_cost.DECODE_ATTENTION_TILE == attention_decode.LANES
+    assert codegen_cost.DECODE_ATTENTION_K_CHUNK_BYTES == attention_decode.CHUNK_WORDS * 4
+    assert codegen_cost.DECODE_ATTENTION_K_AHEAD == attention_decode.K_AHEAD
+    assert codegen_cost.DECODE_ATTENTION_V_AHEAD == attention_decode.V_AHEAD
+    for name in ("qwen3-30b-a3b-q8_0", "glm-4.5-air-q4_k_m"):
+        hp = load_model(name).hparams
+        assert attention_decode.block_warps(hp.n_head // hp.n_head_kv, hp.head_dim_k, hp.head_dim_v,
+                                            codegen_cost.DECODE_ATTENTION_WARPS) == codegen_cost.DECODE_ATTENTION_WARPS
+    qwen = load_model("qwen3-30b-a3b-q8_0")
+    assert [codegen_cost.decode_kv_rounds(qwen, kv) for kv in ("f16", "q8_0", "q4_0", "k8v4")] == [8, 6, 5, 6]
 
 
 def test_decode_expert_launches_wait_their_load_rounds(qwen):

@@ -286,3 +286,20 @@ def test_card_plan_accepts_the_matching_gguf(tmp_path, air_8g):
     path = tmp_path / "plan.yaml"
     air_8g.save(path)
     assert load_plan(path, model=gguf).model["name"] == "glm-4.5-air-q4_k_m"
+
+
+def test_a_decode_step_finds_in_vram_the_positions_its_ring_still_holds(tmp_path, rng):
+    """The positions a decode step at `depth` finds in VRAM, against a ring replayed page by page (page p in
+    slot p mod pages, each slot holding the last page stored into it): every position of a held page, the
+    current partial page's too, so never fewer than the planner's floor of full pages."""
+    problem = make_problem(profile_with(2**30), load_model(small_card(tmp_path)), context=4096,
+                           workload=Workload(prompts=((1024, 1.0),), decode_tokens=32))
+    page_tokens = problem.page_tokens
+    for depth, pages in zip(rng.integers(1, 4096, 64), rng.integers(2, problem.full_pages + 2, 64)):
+        holds = {}
+        for page in range(depth // page_tokens + 1):        # the step stores position `depth` too
+            holds[page % pages] = page
+        held = sum(1 for position in range(depth) if holds.get((position // page_tokens) % pages) ==
+                   position // page_tokens)
+        assert int(problem.resident_at(pages, depth)) == held, (depth, pages)
+        assert held >= min(depth, int(problem.resident_tokens(pages)))
