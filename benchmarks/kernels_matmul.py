@@ -382,7 +382,7 @@ def decode_sweep(rng, bandwidth):
             shape = chosen._replace(tg=tg, groups=256 // tg, nr=nr, unroll=unroll)
             launch = matmul.decode_kernel(T.Q8_0, n_in, False, False, shape)
             seconds = graph_seconds(launches(lambda s, i: launch(s, x, *device[i % copies], *device[i % copies],
-                                                        placeholder, out), max(copies, MIN_LAUNCHES)))
+                                                        placeholder, out, x), max(copies, MIN_LAUNCHES)))
             rows.append((f"{n_out} x {n_in}", tg, nr, unroll, f"{seconds * 1e6:.1f}",
                          f"{packed.nbytes / seconds / bandwidth:.0%}", "chosen" if shape == chosen else ""))
     table("Decode matmul sweep, Q8_0, one token", ["n_out x n_in", "lanes per row", "rows per group",
@@ -461,22 +461,25 @@ def moe_decode_step(rng, bandwidth, sweep=False):
     down_strides = moe.expert_strides(T.Q8_0, e_dim, f_dim, 0)
 
     def sweep_rows():       # each row printed as it is timed: a run cut short keeps what it measured
-        for tg in (32, 64, 128):
+        # chunks in flight per lane (unroll) only at a warp a row, the chosen width: each variant compiles anew
+        for tg, unroll in ((32, 1), (64, 1), (128, 1), (32, 2), (32, 4)):
             for nr in (1, 2, 4, 8):
-                shape = swiglu_base._replace(tg=tg, groups=256 // tg, nr=nr)
+                shape = swiglu_base._replace(tg=tg, groups=256 // tg, nr=nr, unroll=unroll)
                 if nr <= 4:
                     kernel = moe.decode_swiglu(T.Q8_0, e_dim, f_dim, n_expert, k, shape, gate_strides)
                     seconds = graph_seconds(launches(lambda s, i: kernel(s, x, groups[i], slot_of, *matmul.words(dg),
                                                                 *matmul.words(du), *matmul.words(dg),
-                                                                *matmul.words(du), act), steps))
-                    yield "gate/up", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == swiglu_base else ""
-                shape = down_base._replace(tg=tg, groups=256 // tg, nr=nr)
+                                                                *matmul.words(du), act, x), steps))
+                    yield ("gate/up", tg, nr, unroll, f"{seconds * 1e6:.1f}",
+                           "chosen" if shape == swiglu_base else "")
+                shape = down_base._replace(tg=tg, groups=256 // tg, nr=nr, unroll=unroll)
                 kernel = moe.decode_down(T.Q8_0, f_dim, e_dim, n_expert, k, shape, down_strides)
                 seconds = graph_seconds(launches(lambda s, i: kernel(s, act, groups[i], route_w[i], slot_of,
                                                                      *matmul.words(dd), *matmul.words(dd), out), steps))
-                yield "down", tg, nr, f"{seconds * 1e6:.1f}", "chosen" if shape == down_base else ""
+                yield "down", tg, nr, unroll, f"{seconds * 1e6:.1f}", "chosen" if shape == down_base else ""
 
-    table("MoE decode kernels' sweep (one token)", ["kernel", "lanes per row", "rows per group", "us", ""],
+    table("MoE decode kernels' sweep (one token)",
+          ["kernel", "lanes per row", "rows per group", "chunks in flight", "us", ""],
           sweep_rows())
 
 
