@@ -284,11 +284,13 @@ def test_gpu_real_shape(rng, family, ggml_type):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused_norm", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, MAX_WINDOW])
 @pytest.mark.parametrize("n_in, n_q, n_kv, with_bias", [(2048, 4096, 512, False), (4096, 12288, 1024, True)],
                          ids=["qwen3-30b", "glm-4.5-air"])
-def test_gpu_qkv_real_shapes(rng, n_in, n_q, n_kv, with_bias, rows):
-    check_qkv(rng, n_in, [(T.Q8_0, n_q, with_bias), (T.Q8_0, n_kv, with_bias), (T.Q8_0, n_kv, with_bias)], rows)
+def test_gpu_qkv_real_shapes(rng, n_in, n_q, n_kv, with_bias, rows, fused_norm):
+    check_qkv(rng, n_in, [(T.Q8_0, n_q, with_bias), (T.Q8_0, n_kv, with_bias), (T.Q8_0, n_kv, with_bias)], rows,
+              fused_norm)
 
 
 @pytest.mark.parametrize("n_in, n_out, rows, swiglu", [(256, 96, 1, False), (256, 4096, 200, False),
