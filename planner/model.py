@@ -43,10 +43,10 @@ class ExpertLayer:
         return self.blob_bytes * self.n_expert
 
 
-# Types whose blocks the kernels read as quants apart from their float16 scales (codegen.lower.weights packs
-# them so); every other type's expert rows fill one part of a slot.
-SCALES_APART = (T.Q8_0, T.Q4_0)
-SCALE_BYTES = 2
+# Types whose blocks the kernels read as quants apart from their float16 scales (Q4_K: its block's header;
+# codegen.lower.weights packs them so); every other type's expert rows fill one part of a slot.
+SCALE_BYTES = {T.Q8_0: 2, T.Q4_0: 2, T.Q4_K: 16}     # a block's bytes the kernels read apart from its quants
+SCALES_APART = tuple(SCALE_BYTES)
 SLOT_PART_ALIGNMENT_BYTES = 16      # the prefill kernels read a slot's words 16 bytes at a time
 SLOT_ALIGNMENT_BYTES = 256          # a slot starts where a region may (planner.layout.aligned)
 
@@ -69,7 +69,8 @@ def split_bytes(ggml_type, n_elements: int) -> tuple[int, int]:
     block_size, type_size = GGML_QUANT_SIZES[T(ggml_type)]
     n_blocks = n_elements // block_size
     if T(ggml_type) in SCALES_APART:
-        return n_blocks * (type_size - SCALE_BYTES), n_blocks * SCALE_BYTES
+        scale_bytes = SCALE_BYTES[T(ggml_type)]
+        return n_blocks * (type_size - scale_bytes), n_blocks * scale_bytes
     return n_blocks * type_size, 0
 
 

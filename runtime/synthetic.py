@@ -31,9 +31,9 @@ from statistics import NormalDist
 import numpy as np
 import yaml
 from gguf import GGUFWriter
-from gguf.constants import GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from codegen.lower.weights import QUANT_BLOCK, PackedWeight, quantize, unpack
+from codegen.lower.weights import Q4_K_HEADER_BYTES, QUANT_BLOCK, PackedWeight, quantize, unpack
 from codegen.lower.weights import check_kernel_type
 from planner.architecture import (EXPERT_ROLES, METADATA_KEYS, SUPPORTED_ARCHITECTURES, HParams, hparams_from_metadata,
                                   tensor_layer, tensor_layout, tensor_role)
@@ -150,10 +150,13 @@ def _write(path, name: str, metadata: dict, hp: HParams, values, types: dict | N
 def random_packed(shape, ggml_type, rng: np.random.Generator, std: float | None = None) -> PackedWeight:
     """Random weights of numpy `shape` (..., n_out, n_in) generated directly in the packed layout (no quantize
     pass: fast for GBs). Values have standard deviation `std` (default 1/sqrt(n_in)): F32/F16/BF16 normal;
-    Q8_0 quants uniform in [-127, 127], Q4_0 nibbles uniform, with float16 block scales around that size."""
+    Q8_0 quants uniform in [-127, 127], Q4_0 nibbles uniform, with float16 block scales around that size; Q4_K
+    as `_random_q4_k`."""
     ggml_type, shape = T(ggml_type), tuple(int(d) for d in shape)
     check_kernel_type(ggml_type, shape)
     std = 1.0 / math.sqrt(shape[-1]) if std is None else std
+    if ggml_type == T.Q4_K:
+        return _random_q4_k(shape, rng, std)
     if ggml_type in (T.F32, T.F16, T.BF16):
         values = rng.standard_normal(shape, dtype=np.float32)
         values *= np.float32(std)
@@ -171,6 +174,21 @@ def random_packed(shape, ggml_type, rng: np.random.Generator, std: float | None 
         data, quant_std = data.reshape(*shape[:-1], shape[-1] // 2), math.sqrt((16 * 16 - 1) / 12.0)
     scales = rng.uniform(0.75, 1.25, (*shape[:-1], shape[-1] // QUANT_BLOCK)) * (std / quant_std)
     return PackedWeight(ggml_type, shape, data, scales.astype(np.float16))
+
+
+def _random_q4_k(shape, rng: np.random.Generator, std: float) -> PackedWeight:
+    """Q4_K of random nibbles q and random 6-bit sub-block scales sc and mins m (the 12 packed header bytes), each
+    value d * sc * q - dmin * m. dmin = 7.5 d makes its expected value 0, and d (within +-25% per block) gives
+    values of standard deviation about `std`."""
+    n_blocks = math.prod(shape) // GGML_QUANT_SIZES[T.Q4_K][0]
+    data = np.frombuffer(rng.bytes(math.prod(shape) // 2), np.uint8).reshape(*shape[:-1], shape[-1] // 2).copy()
+    header = np.frombuffer(rng.bytes(n_blocks * Q4_K_HEADER_BYTES), np.uint8).reshape(n_blocks, -1).copy()
+    q_mean, q_var, six_bit_mean, six_bit_var = 7.5, (16 * 16 - 1) / 12.0, 31.5, (64 * 64 - 1) / 12.0
+    value_var = (six_bit_mean ** 2 + six_bit_var) * q_var + 2 * q_mean ** 2 * six_bit_var   # in units of d^2
+    d = rng.uniform(0.75, 1.25, n_blocks) * (std / math.sqrt(value_var))
+    header[:, :4] = np.stack([d, q_mean * d], axis=1).astype(np.float16).view(np.uint8)
+    scales = header.view(np.float16).reshape(*shape[:-1], shape[-1] // QUANT_BLOCK)
+    return PackedWeight(T.Q4_K, shape, data, scales)
 
 
 def realistic_weights(card, seed: int, skew: float = 1.0, types: dict | None = None):

@@ -12,6 +12,7 @@ from codegen.graph import prefill_tiling
 from codegen.lower import MAX_WINDOW, matmul, pointwise, weights
 from codegen.lower.cuda import cuda
 from codegen.lower.word_formats import FORMATS
+from planner.model import split_bytes
 from runtime import reference
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0]
@@ -248,10 +249,51 @@ def test_decode_dequantizes_extreme_quants(rng, ggml_type):
     assert rel_err(got, x.astype(np.float64) @ weights.dequantize(extreme).T) < TOL
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Q4_K: blocks of 256 values, each 32-value sub-block's values scale * q - min
+
+
+def random_q4_k(rng, shape):
+    """Q4_K weights of random bytes (every 6-bit scale and min, every nibble), d and dmin 1e-3..1e-2: all of
+    gguf-py's scale unpacking exercised, not only what a quantizer writes."""
+    raw = rng.integers(0, 256, (int(np.prod(shape[:-1])), shape[-1] // 256, 144), dtype=np.uint8)
+    raw[:, :, :4] = rng.uniform(1e-3, 1e-2, raw.shape[:2] + (2,)).astype(np.float16).view(np.uint8)
+    return weights.pack(raw, T.Q4_K, shape)
+
+
+def test_q4_k_packs_its_gguf_bytes_apart_and_back(rng):
+    """The quants reordered by sub-block, the 16-byte headers apart: the bytes the planner counts
+    (`split_bytes`), and unpack gives the GGUF bytes back."""
+    packed = random_q4_k(rng, (3, 512))
+    assert (packed.data.nbytes, packed.scales.nbytes) == split_bytes(T.Q4_K, 3 * 512) == (3 * 2 * 128, 3 * 2 * 16)
+    assert weights.pack(weights.unpack(packed), T.Q4_K, (3, 512)).data.tobytes() == packed.data.tobytes()
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    assert rel_err(weights.dequantize(weights.quantize(x, T.Q4_K)), x) < 0.1      # a 4-bit code of x
+
+
+@pytest.mark.parametrize("family", ["decode", "prefill"])
+def test_q4_k_matmul_and_swiglu_match_reference(rng, family):
+    """Against gguf-py's dequantization, a bias and a random-bytes weight; decode: a row alone gives its
+    window's bits."""
+    n_in, rows = 256, (3 if family == "decode" else 5)
+    w = random_q4_k(rng, (8, n_in))
+    x = activations(rng, rows, n_in)
+    bias = rng.standard_normal(8).astype(np.float32)
+    got = run_matmul(family, T.Q4_K, x, weights.upload(w), bias)
+    assert rel_err(got, x.astype(np.float64) @ weights.dequantize(w).T + bias) < TOL
+    if family == "decode":
+        assert np.array_equal(run_matmul(family, T.Q4_K, x[1:2], weights.upload(w), bias), got[1:2])
+    gate, up = (weights.quantize(rng.standard_normal((8, n_in)).astype(np.float32), T.Q4_K) for _ in range(2))
+    act = run_swiglu(family, T.Q4_K, x, weights.upload(gate), weights.upload(up))
+    want = reference.swiglu(x.astype(np.float64), weights.dequantize(gate), weights.dequantize(up))
+    assert rel_err(act, want) < TOL
+
+
 @pytest.mark.parametrize("args, message", [
     (("verify", T.F32, 64, 8, False), "unknown kernel family"),
     (("decode", T.Q4_1, 64, 8, False), "no matmul kernel for Q4_1"),
     (("prefill", T.F32, 40, 8, False), "multiple of 32"),
+    (("decode", T.Q4_K, 96, 8, False), "multiple of 256"),
 ])
 def test_refuses_what_it_cannot_run(args, message):
     with pytest.raises(ValueError, match=message):
@@ -264,7 +306,8 @@ def test_refuses_what_it_cannot_run(args, message):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family, ggml_type", [("decode", T.Q8_0), ("decode", T.Q4_0), ("decode", T.BF16),
-                                               ("prefill", T.F32), ("prefill", T.Q8_0), ("prefill", T.F16)],
+                                               ("decode", T.Q4_K), ("prefill", T.F32), ("prefill", T.Q8_0),
+                                               ("prefill", T.F16), ("prefill", T.Q4_K)],
                          ids=lambda v: getattr(v, "name", v))
 def test_gpu_real_shape(rng, family, ggml_type):
     """Against the reference; decode windows of 2..5 give each row's bits alone, prefill chunks of 1, 3, 16

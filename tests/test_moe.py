@@ -247,6 +247,14 @@ def test_moe_decode_matches_reference_for_any_window(rng):
     assert np.array_equal(experts.run("decode", x[:1], ids[:1], route_w[:1], residual[:1])[1], window[:1])
 
 
+@pytest.mark.parametrize("family", ["decode", "prefill"])
+def test_moe_q4_k_matches_reference(rng, family):
+    """Q4_K experts (rows of one 256-value block), half from slots and half from the host copy."""
+    experts = Experts(rng, T.Q4_K, d_in=256, d_ff=256)
+    x, ids, route_w, residual = moe_inputs(rng, 2, d_in=256)
+    check_moe(experts, x, ids, route_w, residual, *experts.run(family, x, ids, route_w, residual))
+
+
 @pytest.mark.parametrize("family, rows", [("decode", 4), ("prefill", 5)])
 def test_moe_reads_the_same_bits_from_slots_or_host(rng, family, rows):
     """Every expert from VRAM slots (shuffled), then every expert from the host copy: act and out equal."""

@@ -3,10 +3,12 @@ a GPU (`NUMBA_ENABLE_CUDASIM=0 pytest -m gpu tests/test_pointwise.py`)."""
 
 import numpy as np
 import pytest
+from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower import pointwise, weights
 from codegen.lower.cuda import cuda
 from runtime import reference
+from tests.test_matmul import random_q4_k
 
 TOLERANCE = 1e-5
 EPS = 1e-6
@@ -62,7 +64,17 @@ def check_embed(rng, ggml_type, n_vocab, n_embd, rows):
 
 @pytest.mark.parametrize("ggml_type", weights.KERNEL_TYPES, ids=lambda t: t.name)
 def test_embed_every_type_exact(rng, ggml_type):
-    check_embed(rng, ggml_type, n_vocab=40, n_embd=96, rows=5)
+    """(Q4_K: rows of whole 256-value blocks.)"""
+    check_embed(rng, ggml_type, n_vocab=40, n_embd=256 if ggml_type == T.Q4_K else 96, rows=5)
+
+
+def test_embed_q4_k_of_random_bytes_exact(rng):
+    """Every 6-bit scale and min and every nibble (random bytes): gguf-py's values exactly."""
+    packed = random_q4_k(rng, (12, 512))
+    ids = rng.integers(0, 12, 4).astype(np.int32)
+    out = cuda.device_array((4, 512), np.float32)
+    pointwise.make_embed(T.Q4_K, 512)(0, cuda.to_device(ids), weights.upload(packed), out)
+    np.testing.assert_array_equal(out.copy_to_host(), weights.dequantize(packed)[ids].astype(np.float32))
 
 
 # --- RMSNorm -----------------------------------------------------------------------------------------------

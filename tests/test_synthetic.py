@@ -140,9 +140,19 @@ def test_random_packed_layouts_and_scale(rng, ggml_type):
     assert abs(weights.dequantize(random_packed(shape, ggml_type, rng, std=2.0)).std() / 2 - 1) < 0.1
 
 
+def test_random_packed_q4_k_has_the_layout_pack_makes_and_the_scale_asked(rng):
+    shape = (3, 64, 512)
+    packed = random_packed(shape, T.Q4_K, rng)
+    assert (packed.data.shape, packed.data.dtype) == ((3, 64, 256), np.uint8)
+    assert (packed.scales.shape, packed.scales.dtype) == ((3, 64, 16), np.float16)
+    assert packed.nbytes == 3 * 64 * 512 // 256 * 144
+    values = weights.dequantize(packed) * np.sqrt(512)
+    assert abs(values.std() - 1) < 0.1 and abs(values.mean()) < 0.1
+
+
 def test_random_packed_refuses_what_no_kernel_reads(rng):
-    with pytest.raises(StratumError, match="Q4_K"):
-        random_packed((64, 256), T.Q4_K, rng)
+    with pytest.raises(StratumError, match="Q6_K"):
+        random_packed((64, 256), T.Q6_K, rng)
     with pytest.raises(StratumError, match="whole blocks"):
         random_packed((64, 48), T.Q8_0, rng)
 

@@ -2,7 +2,8 @@
 routed-expert kernels of `codegen.lower.moe`.
 
 Weights are read as 32-bit words of their packed layout (`codegen.lower.weights`), decoded to float32 by
-`codegen.lower.word_formats`. A quantized block's scale multiplies after the block's products are summed.
+`codegen.lower.word_formats`. A quantized block's scale multiplies after the block's products are summed
+(Q4_K: less its sub-block's min times the sum of those x).
 Everything is float32; each output is accumulated in one fixed order. Hot-loop indices
 are unsigned and thread ids masked (IDX): numba then emits no negative-index fix-ups, and shared tiles read
 as float4.
@@ -25,7 +26,7 @@ import weakref
 from typing import NamedTuple
 
 import numpy as np
-from gguf.constants import GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from codegen.graph import TILE_WEIGHT_ROWS, prefill_tile_rows, tile_cols
 from codegen.lower import FAMILIES, MAX_WINDOW, pointwise
@@ -47,8 +48,9 @@ def check(family: str, ggml_type, n_in: int, n_out: int) -> Format:
     ggml_type = T(ggml_type)
     if ggml_type not in KERNEL_TYPES:
         raise ValueError(f"no matmul kernel for {ggml_type.name}; they read {[t.name for t in KERNEL_TYPES]}")
-    if n_in <= 0 or n_out <= 0 or n_in % QUANT_BLOCK:
-        raise ValueError(f"matmul {n_out} x {n_in}: inputs must be a positive multiple of {QUANT_BLOCK}")
+    block = max(QUANT_BLOCK, GGML_QUANT_SIZES[ggml_type][0])
+    if n_in <= 0 or n_out <= 0 or n_in % block:
+        raise ValueError(f"matmul {n_out} x {n_in} of {ggml_type.name}: inputs must be a positive multiple of {block}")
     return FORMATS[ggml_type]
 
 
@@ -61,7 +63,10 @@ def words(weight):
     if made is None or made[0]() is not weight:
         data, scales = mapped_device_view(weight.data), mapped_device_view(weight.scales)
         check_aligned("a weight", data)
-        made = _words_of[key] = (weakref.ref(weight), (data.reshape(-1).view(np.int32), scales.reshape(-1)))
+        scales = scales.reshape(-1)
+        if FORMATS[weight.ggml_type].header_bits:      # Q4_K's headers: bits, read by `word_formats`
+            scales = scales.view(np.uint16)
+        made = _words_of[key] = (weakref.ref(weight), (data.reshape(-1).view(np.int32), scales))
         weakref.finalize(weight, _words_of.pop, key, None)
     return made[1]
 
@@ -164,7 +169,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
     if not 1 <= window <= MW:
         raise ValueError(f"window {window}: the decode family takes 1..{MW} rows")
     fmt = FORMATS[T(ggml_type)]
-    vpw, wps, decode, elem = fmt.vpw, fmt.wps, fmt.decode, fmt.elem
+    vpw, wps, decode, elem, block_scale, has_min = fmt.vpw, fmt.wps, fmt.decode, fmt.elem, fmt.scale, fmt.has_min
     cw = CHUNK_WORDS
     wpr = n_in // vpw
     spr = wpr // wps if wps else 0
@@ -178,20 +183,23 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
     steps, step_values = cw // step_words, step_words * vpw
     quads = step_values // 4
     levels = tg.bit_length() - 1
-    wps_u = U(max(wps, 1))
     normed = norm_eps is not None
     norm_threads, row_scale = pointwise.row_inverse_rms(n_in, norm_eps or 0.0)
 
     @cuda.jit(device=True, inline=True)
-    def apply(u, it, held, scale, vals, xs, part, x, xrow, nx, lane, acc, norm, x_scale):
+    def apply(u, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc, norm, x_scale):
         """Chunk u of the group in flight: per step, x's values for every window row, then each row's words
-        decoded once and applied to all of them."""
+        decoded once and applied to all of them. A type with mins (Q4_K) sums the chunk's x too: its
+        values are scale * q - min, so a chunk adds scale * sum(q x) - min * sum(x)."""
         c = (it + u) * tg + lane
         if full or c < chunks:
             x0 = c * m
             for i in range(nw):
                 for r in range(window):
                     part[i, r] = np.float32(0)
+            if has_min:
+                for r in range(window):
+                    xsum[r] = np.float32(0)
             for t in range(steps):
                 for r in range(window):
                     if r < nx:
@@ -210,6 +218,9 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                                 xs[r, 4 * j + 1] = quad[1]
                                 xs[r, 4 * j + 2] = quad[2]
                                 xs[r, 4 * j + 3] = quad[3]
+                        if has_min:
+                            for e in range(step_values):
+                                xsum[r] += xs[r, e]
                 for i in range(nw):
                     for q in range(step_words):
                         decode(held[u, i, t * step_words + q], vals, 0, q * vpw)
@@ -220,14 +231,16 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
             for i in range(nw):
                 for r in range(window):
                     if r < nx:
-                        if wps:
+                        if has_min:
+                            acc[i, r] += scale[u, i] * part[i, r] - low[u, i] * xsum[r]
+                        elif wps:
                             acc[i, r] += scale[u, i] * part[i, r]
                         else:
                             acc[i, r] += part[i, r]
 
     @cuda.jit(device=True, inline=True)
-    def fetch(it, wa, sa, wb, sb, woff, lane, held, scale):
-        """Load the words (and scales) of chunks it..it + unroll - 1 of the group's rows."""
+    def fetch(it, wa, sa, wb, sb, woff, lane, held, scale, low):
+        """Load the words (and scales, mins) of chunks it..it + unroll - 1 of the group's rows."""
         for u in range(unroll):
             c = (it + u) * tg + lane
             if full or c < chunks:
@@ -239,7 +252,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                     held[u, i, 2] = chunk[2]
                     held[u, i, 3] = chunk[3]
                     if wps:
-                        scale[u, i] = np.float32(ssrc[U(woff[i] * spr) + U(c * cw) // wps_u])
+                        scale[u, i], low[u, i] = block_scale(ssrc, U(woff[i] * spr), U(c * cw))
 
     @cuda.jit(device=True, inline=True)
     def dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc, norm):
@@ -255,12 +268,15 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                     woff[i] = min(row_b + i - n_a, last_b)
             held = cuda.local.array((unroll, nw, cw), np.int32)
             scale = cuda.local.array((unroll, nw), np.float32)
+            low = cuda.local.array((unroll, nw), np.float32)
             ahead = cuda.local.array((unroll, nw, cw), np.int32)
             ahead_scale = cuda.local.array((unroll, nw), np.float32)
+            ahead_low = cuda.local.array((unroll, nw), np.float32)
             vals = cuda.local.array((1, step_values), np.float32)
             xs = cuda.local.array((window, step_values), np.float32)
             part = cuda.local.array((nw, window), np.float32)
-            fetch(0, wa, sa, wb, sb, woff, lane, held, scale)
+            xsum = cuda.local.array(window, np.float32)
+            fetch(0, wa, sa, wb, sb, woff, lane, held, scale, low)
             x_scale = cuda.local.array(window, np.float32)
             if normed:      # while the first chunks' loads are in flight
                 partial = cuda.shared.array(norm_threads, np.float32)
@@ -271,21 +287,22 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
             for it in range(0, padded, unroll):
                 # the next chunks' loads go out before these chunks' arithmetic: loads always in flight
                 if it + unroll < padded:
-                    fetch(it + unroll, wa, sa, wb, sb, woff, lane, ahead, ahead_scale)
+                    fetch(it + unroll, wa, sa, wb, sb, woff, lane, ahead, ahead_scale, ahead_low)
                 # written out, not a loop: the compiler would not unroll a loop this big, and the chunks'
                 # registers must be indexed by constants
-                apply(0, it, held, scale, vals, xs, part, x, xrow, nx, lane, acc, norm, x_scale)
+                apply(0, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc, norm, x_scale)
                 if unroll > 1:
-                    apply(1, it, held, scale, vals, xs, part, x, xrow, nx, lane, acc, norm, x_scale)
+                    apply(1, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc, norm, x_scale)
                 if unroll > 2:
-                    apply(2, it, held, scale, vals, xs, part, x, xrow, nx, lane, acc, norm, x_scale)
+                    apply(2, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc, norm, x_scale)
                 if unroll > 3:
-                    apply(3, it, held, scale, vals, xs, part, x, xrow, nx, lane, acc, norm, x_scale)
+                    apply(3, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc, norm, x_scale)
                 for u in range(unroll):
                     for i in range(nw):
                         for q in range(cw):
                             held[u, i, q] = ahead[u, i, q]
                         scale[u, i] = ahead_scale[u, i]
+                        low[u, i] = ahead_low[u, i]
 
     @cuda.jit(device=True, inline=True)
     def tree_reduce(red, g, lane, acc, nx):
@@ -483,7 +500,8 @@ def prefill_core(ggml_type, n_in: int, bm: int):
     Loads: 4 threads share a tile row's 16-wide k slice (4 floats or 1/4 of its words each), so a thread
     holds few row addresses (bm / 64 of x, 2 of weights) and its next slice in registers."""
     fmt = FORMATS[T(ggml_type)]
-    vpw, wps, decode, elem, sw = fmt.vpw, fmt.wps, fmt.decode, fmt.elem, fmt.slice_words
+    vpw, wps, decode, elem, sw, block_scale = fmt.vpw, fmt.wps, fmt.decode, fmt.elem, fmt.slice_words, fmt.scale
+    has_min = fmt.has_min
     wpr = n_in // vpw
     spr = wpr // wps if wps else 0
     span = sw * vpw                 # row values covered by one slice's words (32 for Q4_0, else 16)
@@ -494,10 +512,9 @@ def prefill_core(ggml_type, n_in: int, bm: int):
     xh = bm // 64                   # x rows a thread loads
     wq = sw // 4                    # words of a weight row a thread loads
     x_held, w_held = 4 * xh, 2 * wq
-    wps_u = U(max(wps, 1))
 
     @cuda.jit(device=True, inline=True)
-    def load(x, xr, wa, sa, wb, sb, wrow, part, k0, xv, wv, sv):
+    def load(x, xr, wa, sa, wb, sb, wrow, part, k0, xv, wv, sv, mv):
         for h in range(xh):
             for j in range(4):
                 xv[h * 4 + j] = x[U(xr[h]), U(k0 + part * 4 + j)] if xr[h] >= 0 else np.float32(0)
@@ -507,10 +524,10 @@ def prefill_core(ggml_type, n_in: int, bm: int):
             for q in range(wq):
                 wv[h * wq + q] = wsrc[U(wrow[h] * wpr + word + q)]
             if wps:
-                sv[h] = np.float32(ssrc[U(wrow[h] * spr) + U(word) // wps_u])
+                sv[h], mv[h] = block_scale(ssrc, U(wrow[h] * spr), U(word))
 
     @cuda.jit(device=True, inline=True)
-    def store(xs, ws, stage, t, part, k0, xv, wv, sv, vals):
+    def store(xs, ws, stage, t, part, k0, xv, wv, sv, mv, vals):
         for h in range(xh):
             for j in range(4):
                 xs[stage, U(part * 4 + j), U(h * 64 + t // 4)] = xv[h * 4 + j]
@@ -521,7 +538,12 @@ def prefill_core(ggml_type, n_in: int, bm: int):
                 for v in range(vpw):
                     kk = elem(word + q, v, vpw) - k0
                     if span == BK or 0 <= kk < BK:
-                        ws[stage, U(kk), U(h * 64 + t // 4)] = sv[h] * vals[0, v] if wps else vals[0, v]
+                        value = vals[0, v]
+                        if has_min:     # scale * quant is exact (17 bits times 4): gguf-py's one rounding
+                            value = sv[h] * value - mv[h]
+                        elif wps:
+                            value = sv[h] * value
+                        ws[stage, U(kk), U(h * 64 + t // 4)] = value
 
     @cuda.jit(device=True, inline=True)
     def step(xs, ws, stage, kk, ty, tx, a, b, acc):
@@ -551,6 +573,7 @@ def prefill_core(ggml_type, n_in: int, bm: int):
         xv = cuda.local.array(x_held, np.float32)
         wv = cuda.local.array(w_held, np.int32)
         sv = cuda.local.array(2, np.float32)
+        mv = cuda.local.array(2, np.float32)
         vals = cuda.local.array((1, vpw), np.float32)
         a = cuda.local.array(tm, np.float32)
         b = cuda.local.array(8, np.float32)
@@ -559,13 +582,13 @@ def prefill_core(ggml_type, n_in: int, bm: int):
         busy = not SIMULATOR
         for i in range(tm if SIMULATOR else 0):
             busy = busy or xrows[(i // 4) * (bm // hm) + ty * 4 + i % 4] >= 0
-        load(x, xr, wa, sa, wb, sb, wrow, part, 0, xv, wv, sv)
-        store(xs, ws, 0, t, part, 0, xv, wv, sv, vals)
+        load(x, xr, wa, sa, wb, sb, wrow, part, 0, xv, wv, sv, mv)
+        store(xs, ws, 0, t, part, 0, xv, wv, sv, mv, vals)
         cuda.syncthreads()
         for kt in range(k_tiles):
             stage = kt % 2
             if kt + 1 < k_tiles:
-                load(x, xr, wa, sa, wb, sb, wrow, part, (kt + 1) * BK, xv, wv, sv)
+                load(x, xr, wa, sa, wb, sb, wrow, part, (kt + 1) * BK, xv, wv, sv, mv)
             for kk in range(0, BK if busy else 0, 4):
                 # four k steps written out: the loop's own bookkeeping costs a quarter as much
                 step(xs, ws, stage, kk, ty, tx, a, b, acc)
@@ -573,7 +596,7 @@ def prefill_core(ggml_type, n_in: int, bm: int):
                 step(xs, ws, stage, kk + 2, ty, tx, a, b, acc)
                 step(xs, ws, stage, kk + 3, ty, tx, a, b, acc)
             if kt + 1 < k_tiles:
-                store(xs, ws, 1 - stage, t, part, (kt + 1) * BK, xv, wv, sv, vals)
+                store(xs, ws, 1 - stage, t, part, (kt + 1) * BK, xv, wv, sv, mv, vals)
             cuda.syncthreads()
 
     return tile

@@ -18,6 +18,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower.cuda import better, bits_to_f32, cuda, launch_kernel, warp_sum
 from codegen.lower.weights import QUANT_BLOCK
+from codegen.lower.word_formats import FORMATS
 
 WARP = 32
 ELEMENTWISE_THREADS = 256
@@ -96,22 +97,31 @@ def _sigmoid(x):
 
 @cuda.jit(device=True, inline=True)
 def _load_float(data, scales, token, item, words_per_block):
-    return np.float32(data[token, item]), np.float32(1)
+    return np.float32(data[token, item]), np.float32(1), np.float32(0)
 
 
 @cuda.jit(device=True, inline=True)
 def _load_bf16(data, scales, token, item, words_per_block):
     signed = (np.int32(data[token, item]) ^ np.int32(0x8000)) - np.int32(0x8000)   # the high half, signed
-    return bits_to_f32(np.int32(signed * np.int32(0x10000))), np.float32(1)
+    return bits_to_f32(np.int32(signed * np.int32(0x10000))), np.float32(1), np.float32(0)
 
 
 @cuda.jit(device=True, inline=True)
 def _load_word(data, scales, token, item, words_per_block):
-    return data[token, item], np.float32(scales[token, item // words_per_block])
+    return data[token, item], np.float32(scales[token, item // words_per_block]), np.float32(0)
+
+
+_q4_k_scale = FORMATS[T.Q4_K].scale
 
 
 @cuda.jit(device=True, inline=True)
-def _write_value(out, row, item, value, scale):
+def _load_q4_k(data, scales, token, item, words_per_block):
+    scale, low = _q4_k_scale(scales[token], 0, item)
+    return data[token, item], scale, low
+
+
+@cuda.jit(device=True, inline=True)
+def _write_value(out, row, item, value, scale, low):
     out[row, item] = value
 
 
@@ -121,7 +131,7 @@ def _byte(word, i):
 
 
 @cuda.jit(device=True, inline=True)
-def _write_q8_0(out, row, w, word, scale):
+def _write_q8_0(out, row, w, word, scale, low):
     """Word w of a Q8_0 row: elements 4w..4w+3, signed bytes."""
     for i in range(4):
         byte = _byte(word, i)
@@ -129,7 +139,7 @@ def _write_q8_0(out, row, w, word, scale):
 
 
 @cuda.jit(device=True, inline=True)
-def _write_q4_0(out, row, w, word, scale):
+def _write_q4_0(out, row, w, word, scale, low):
     """Word w of a Q4_0 row: bytes 4(w % 4)..+3 of block w // 4; byte j holds element j (low nibble) and
     j + 16 (high), stored value + 8."""
     first = (w // 4) * 32 + (w % 4) * 4
@@ -137,6 +147,17 @@ def _write_q4_0(out, row, w, word, scale):
         byte = _byte(word, i)
         out[row, first + i] = scale * np.float32((byte & 0xF) - 8)
         out[row, first + 16 + i] = scale * np.float32((byte >> 4) - 8)
+
+
+@cuda.jit(device=True, inline=True)
+def _write_q4_k(out, row, w, word, scale, low):
+    """Word w of a Q4_K row: its sub-block's bytes as Q4_0 holds them, unsigned; value scale * q - min
+    (scale * q exact: gguf-py's one rounding)."""
+    first = (w // 4) * 32 + (w % 4) * 4
+    for i in range(4):
+        byte = _byte(word, i)
+        out[row, first + i] = scale * np.float32(byte & 0xF) - low
+        out[row, first + 16 + i] = scale * np.float32(byte >> 4) - low
 
 
 # per type: elements per item a thread loads (a value, or a 32-bit word of quants), what it holds, its loader
@@ -147,13 +168,14 @@ _EMBED_ITEMS = {
     T.BF16: (1, np.float32, _load_bf16, _write_value),
     T.Q8_0: (4, np.int32, _load_word, _write_q8_0),
     T.Q4_0: (8, np.int32, _load_word, _write_q4_0),
+    T.Q4_K: (8, np.int32, _load_q4_k, _write_q4_k),
 }
 
 
 @functools.cache
 def make_embed(ggml_type, n_embd: int):
     """launch(stream, ids, table, out): out[r] = the dequantized row ids[r] of `table` (a DeviceWeight of
-    F32/F16/BF16/Q8_0/Q4_0, (n_vocab, n_embd)), exactly `weights.dequantize`'s values (all exact in float32).
+    F32/F16/BF16/Q8_0/Q4_0/Q4_K, (n_vocab, n_embd)), exactly `weights.dequantize`'s values (all exact in float32).
     Quants are read as 32-bit words. Each thread issues all its loads before its first store."""
     ggml_type = T(ggml_type)
     if ggml_type not in _EMBED_ITEMS:
@@ -173,18 +195,20 @@ def make_embed(ggml_type, n_embd: int):
         token = ids[row]
         held = cuda.local.array(steps, held_type)
         scale = cuda.local.array(steps, np.float32)
+        low = cuda.local.array(steps, np.float32)
         for u in range(steps):
             item = tid + u * threads
             if whole or item < items:
-                held[u], scale[u] = load(data, scales, token, item, words_per_block)
+                held[u], scale[u], low[u] = load(data, scales, token, item, words_per_block)
         for u in range(steps):
             item = tid + u * threads
             if whole or item < items:
-                write(out, row, item, held[u], scale[u])
+                write(out, row, item, held[u], scale[u], low[u])
 
     def launch(stream, ids, table, out):
         data = table.data.view(np.int32) if quantized else table.data
-        launch_kernel(kernel, ids.shape[0], threads, stream, ids, data, table.scales, out)
+        scales = table.scales.view(np.uint16) if FORMATS[ggml_type].header_bits else table.scales
+        launch_kernel(kernel, ids.shape[0], threads, stream, ids, data, scales, out)
     return launch
 
 

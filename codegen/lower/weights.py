@@ -13,6 +13,11 @@ Layouts, in numpy order (leading dims such as `n_expert` first, then rows = outp
   Q4_0  data uint8   (..., n_out, n_in // 2)   the block's 16 bytes in GGUF order (byte j: element j in the
                                                low nibble, element j + 16 in the high), stored value + 8;
                                                scales float16 (..., n_out, n_in // 32)
+  Q4_K  data uint8   (..., n_out, n_in // 2)   each 32-value sub-block's quants as a Q4_0 block holds them
+                                               (GGUF puts sub-blocks 2i and 2i + 1 in the low and high nibbles
+                                               of the same 32 bytes), unsigned; scales (..., n_out, n_in // 32)
+                                               float16-sized: each 256-value block's 16 header bytes as stored
+                                               (d, dmin, the 12 bytes of 6-bit sub-block scales and mins)
 """
 
 from dataclasses import dataclass
@@ -22,11 +27,12 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from planner.errors import StratumError
-from planner.model import SCALES_APART
+from planner.model import SCALE_BYTES, SCALES_APART
 
-KERNEL_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0)
+KERNEL_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K)
 _FLOAT_DTYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}
-QUANT_BLOCK = 32     # elements per Q8_0 / Q4_0 block
+QUANT_BLOCK = 32     # elements per Q8_0 / Q4_0 block, and per Q4_K sub-block: what a scale covers
+Q4_K_HEADER_BYTES = 16  # a Q4_K block's d, dmin (float16) and 12 bytes of 6-bit sub-block scales and mins
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,9 @@ def check_kernel_type(ggml_type: T, shape: tuple) -> None:
     if ggml_type not in KERNEL_TYPES:
         raise StratumError(f"tensor type {ggml_type.name} has no kernel yet; the kernels read "
                            f"{', '.join(t.name for t in KERNEL_TYPES)}")
-    if ggml_type in SCALES_APART and shape[-1] % QUANT_BLOCK:
-        raise StratumError(f"a {ggml_type.name} row of {shape[-1]} values is not whole blocks of {QUANT_BLOCK}")
+    block = max(QUANT_BLOCK, GGML_QUANT_SIZES[ggml_type][0]) if ggml_type in SCALES_APART else 1
+    if shape[-1] % block:
+        raise StratumError(f"a {ggml_type.name} row of {shape[-1]} values is not whole blocks of {block}")
 
 
 def pack(raw: np.ndarray, ggml_type: T, shape: tuple) -> PackedWeight:
@@ -62,30 +69,79 @@ def pack(raw: np.ndarray, ggml_type: T, shape: tuple) -> PackedWeight:
     if ggml_type in _FLOAT_DTYPES:
         return PackedWeight(ggml_type, shape, raw_bytes.view(_FLOAT_DTYPES[ggml_type]).reshape(shape).copy(), None)
     blocks = raw_bytes.reshape(-1, type_size)
-    scales = blocks[:, :2].copy().view(np.float16).reshape(*shape[:-1], shape[-1] // QUANT_BLOCK)
-    quants_bytes = blocks[:, 2:].reshape(-1)
+    header = SCALE_BYTES[ggml_type]
+    scales = blocks[:, :header].copy().view(np.float16).reshape(*shape[:-1], shape[-1] // QUANT_BLOCK)
+    quants_bytes = blocks[:, header:]
     if ggml_type == T.Q8_0:
-        data = quants_bytes.view(np.int8).reshape(shape).copy()
+        data = quants_bytes.reshape(-1).view(np.int8).reshape(shape).copy()
+    elif ggml_type == T.Q4_K:
+        data = _q4_k_sub_blocks(quants_bytes).reshape(*shape[:-1], shape[-1] // 2)
     else:
         data = quants_bytes.reshape(*shape[:-1], shape[-1] // 2).copy()
     return PackedWeight(ggml_type, shape, data, scales)
+
+
+def _q4_k_sub_blocks(quants_bytes: np.ndarray) -> np.ndarray:
+    """(blocks, 128) Q4_K quant bytes as GGUF stores them (32-byte groups g: sub-block 2g in the low nibbles,
+    2g + 1 in the high) -> each sub-block's 16 bytes in Q4_0's order (byte j: value j low, j + 16 high)."""
+    groups = quants_bytes.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    values = (groups & 0xF).reshape(-1, 8, 2, 16)       # [block, sub-block, half, j]
+    return (values[:, :, 0] | (values[:, :, 1] << 4)).reshape(-1)
+
+
+def _q4_k_groups(data: np.ndarray) -> np.ndarray:
+    """`_q4_k_sub_blocks`' inverse: (blocks, 128) bytes in GGUF's order."""
+    sub_blocks = data.reshape(-1, 8, 16)
+    values = np.concatenate([sub_blocks & 0xF, sub_blocks >> 4], axis=2).reshape(-1, 4, 2, 32)
+    return (values[:, :, 0] | (values[:, :, 1] << 4)).reshape(-1, 128)
 
 
 def unpack(packed: PackedWeight) -> np.ndarray:
     """The GGUF bytes back (uint8, rows of the GGUF row size): `pack`'s inverse."""
     if packed.scales is None:
         return packed.data.reshape(-1).view(np.uint8).copy()
-    n_blocks = packed.scales.size
+    header = SCALE_BYTES[packed.ggml_type]
+    n_blocks = packed.scales.size * 2 // header
     quants_bytes = packed.data.reshape(n_blocks, -1).view(np.uint8)
-    return np.concatenate([packed.scales.reshape(n_blocks, 1).view(np.uint8), quants_bytes], axis=1).reshape(-1)
+    if packed.ggml_type == T.Q4_K:
+        quants_bytes = _q4_k_groups(quants_bytes)
+    headers = packed.scales.reshape(n_blocks, -1).view(np.uint8)
+    return np.concatenate([headers, quants_bytes], axis=1).reshape(-1)
 
 
 def quantize(values: np.ndarray, ggml_type: T) -> PackedWeight:
-    """Float values quantized as gguf-py (bit-exact with ggml) does, then packed: how tests make weights."""
+    """Float values quantized as gguf-py (bit-exact with ggml) does, then packed: how tests make weights.
+    gguf-py cannot quantize Q4_K: `quantize_q4_k` does."""
     ggml_type = T(ggml_type)
     values = np.ascontiguousarray(values, dtype=np.float32)
     check_kernel_type(ggml_type, values.shape)
-    return pack(quants.quantize(values, ggml_type), ggml_type, values.shape)
+    raw = quantize_q4_k(values) if ggml_type == T.Q4_K else quants.quantize(values, ggml_type)
+    return pack(raw, ggml_type, values.shape)
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """GGUF Q4_K bytes of float values (rows of whole 256-value blocks): each 32-value sub-block's range
+    [min, max] split into 15 steps, its step and -min as 6-bit multiples of the block's d and dmin. A plain
+    rounding, not llama.cpp's search for the best scales: any valid Q4_K bytes serve the kernels' tests."""
+    sub = values.reshape(-1, 8, QUANT_BLOCK).astype(np.float64)
+    low = np.maximum(-sub.min(axis=2), 0.0)                  # the sub-block's offset: value = step * q - low
+    step = (sub.max(axis=2) + low) / 15
+    d = (step.max(axis=1) / 63).astype(np.float16)
+    dmin = (low.max(axis=1) / 63).astype(np.float16)
+    sc = np.clip(np.round(step / np.maximum(d.astype(np.float64), 1e-30)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(low / np.maximum(dmin.astype(np.float64), 1e-30)[:, None]), 0, 63).astype(np.uint8)
+    step_q = d.astype(np.float64)[:, None] * sc
+    low_q = dmin.astype(np.float64)[:, None] * m
+    q = np.clip(np.round((sub + low_q[:, :, None]) / np.maximum(step_q, 1e-30)[:, :, None]), 0, 15).astype(np.uint8)
+    packed_scales = np.empty((len(sub), 12), np.uint8)       # gguf-py's Q4_K.get_scale_min, inverted
+    packed_scales[:, 0:4] = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
+    packed_scales[:, 4:8] = (m[:, :4] & 0x3F) | ((m[:, 4:] >> 4) << 6)
+    packed_scales[:, 8:12] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
+    halves = q.reshape(-1, 4, 2, 32)                          # group g: sub-blocks 2g (low) and 2g + 1 (high)
+    quant_bytes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(-1, 128)
+    header = np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), packed_scales],
+                            axis=1)
+    return np.concatenate([header, quant_bytes], axis=1).reshape(*values.shape[:-1], -1)
 
 
 def dequantize(packed: PackedWeight) -> np.ndarray:
