@@ -382,7 +382,7 @@ def decode_sweep(rng, bandwidth):
             shape = chosen._replace(tg=tg, groups=256 // tg, nr=nr, unroll=unroll)
             launch = matmul.decode_kernel(T.Q8_0, n_in, False, False, shape)
             seconds = graph_seconds(launches(lambda s, i: launch(s, x, *device[i % copies], *device[i % copies],
-                                                        placeholder, out, x), max(copies, MIN_LAUNCHES)))
+                                                        placeholder, out), max(copies, MIN_LAUNCHES)))
             rows.append((f"{n_out} x {n_in}", tg, nr, unroll, f"{seconds * 1e6:.1f}",
                          f"{packed.nbytes / seconds / bandwidth:.0%}", "chosen" if shape == chosen else ""))
     table("Decode matmul sweep, Q8_0, one token", ["n_out x n_in", "lanes per row", "rows per group",
@@ -469,7 +469,7 @@ def moe_decode_step(rng, bandwidth, sweep=False):
                     kernel = moe.decode_swiglu(T.Q8_0, e_dim, f_dim, n_expert, k, shape, gate_strides)
                     seconds = graph_seconds(launches(lambda s, i: kernel(s, x, groups[i], slot_of, *matmul.words(dg),
                                                                 *matmul.words(du), *matmul.words(dg),
-                                                                *matmul.words(du), act, x), steps))
+                                                                *matmul.words(du), act), steps))
                     yield ("gate/up", tg, nr, unroll, f"{seconds * 1e6:.1f}",
                            "chosen" if shape == swiglu_base else "")
                 shape = down_base._replace(tg=tg, groups=256 // tg, nr=nr, unroll=unroll)

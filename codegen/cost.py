@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
-from codegen.graph import (ATTENTION_SPLITS, EXPERT_TILE_ROWS, TILED_OPS, TILE_WEIGHT_ROWS, Tiling, expert_tiles,
-                           launch_members, launched, matrix_weights, prefill_tiling, representative_of)
+from codegen.graph import (ATTENTION_SPLITS, EXPERT_TILE_ROWS, TILE_WEIGHT_ROWS, TILED_OPS, Tiling, expert_tiles,
+                           launch_members, launched, prefill_tiling, representative_of)
 from planner.architecture import tensor_layer
 from planner.kv import parse_kv_type
 from planner.model import split_bytes
@@ -319,7 +319,7 @@ def node_roofline_s(graph: nx.DiGraph, name: str, gpu: GPU, model, context_token
     elif "expert_layer" in node:
         hp = model.hparams
         used = min(hp.n_expert, graph.graph["tokens"] * hp.n_expert_used)
-        expert_bytes = sum(model.tensor_bytes[w] for w in matrix_weights(node)) * used / hp.n_expert
+        expert_bytes = sum(model.tensor_bytes[w] for w in node["weights"]) * used / hp.n_expert
         if host_experts:
             moved_s = expert_bytes / gpu.zero_copy_read_bytes_per_s
         else:

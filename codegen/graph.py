@@ -16,8 +16,6 @@ Every node is one op producing one tensor (the node's name is the tensor's name)
   family ("decode" on a prefill node lowered and priced as the decode family: the output head's one row),
   n_in (matmuls: the weights' width; with the node's op and shape it gives its tiles, `prefill_tiling`),
   output (True for tensors that leave the pass),
-  norm (decode and draft: the RMSNorm weight the node applies to its first input on the way in, also in its
-  weights: a window's few rows are normed by the matmul that reads them, a launch fewer; `input_norm`),
   fuses / launched_by (a launch that computes several tensors: the first node lists the others, each of
   which names it; `launched`, `launch_members`).
 Edges run from the producer of a tensor to each of its consumers.
@@ -102,8 +100,6 @@ class _Builder:
 
     def op(self, name: str, op: str, inputs: list[str], shape: tuple, *, dtype: str = "f32", flops: float = 0,
            weights: tuple = (), weight_bytes: int | None = None, inplace: str | None = None, **attrs) -> str:
-        if "norm" in attrs:
-            weights, flops = (*weights, attrs["norm"]), flops + attrs.pop("norm_flops")
         present = tuple(w for w in weights if w in self.bytes)
         if weight_bytes is None:
             weight_bytes = 0 if "expert_layer" in attrs else sum(self.bytes[w] for w in present)
@@ -133,22 +129,15 @@ class _Builder:
     def matmul(self, name: str, x: str, weight: str, rows: int, n_in: int, n_out: int, residual: str | None = None,
                **attrs) -> str:
         """x @ weight.T (+ its bias, fused); with `residual`, added in place to that tensor (the residual
-        stream: the add is the kernel's epilogue); with a `norm` attribute, of x normed (`input_norm`)."""
+        stream: the add is the kernel's epilogue)."""
+        weights = (f"{weight}.weight", f"{weight}.bias")
         return self.op(name, "matmul", [x] + ([residual] if residual else []), (rows, n_out),
-                       flops=2.0 * rows * n_in * n_out + (rows * n_out if residual else 0),
-                       weights=(f"{weight}.weight", f"{weight}.bias"), n_in=n_in, inplace=residual, **attrs)
+                       flops=2.0 * rows * n_in * n_out + (rows * n_out if residual else 0), weights=weights,
+                       n_in=n_in, inplace=residual, **attrs)
 
     def norm(self, name: str, x: str, weight: str, rows: int) -> str:
         e = self.hp.n_embd
         return self.op(name, "rmsnorm", [x], (rows, e), flops=4.0 * rows * e, weights=(f"{weight}.weight",))
-
-    def input_norm(self, name: str, x: str, weight: str, rows: int) -> tuple[str, dict]:
-        """x RMSNormed for the matmuls that read it: (the tensor they read, the attributes each one takes).
-        A prefill chunk's norm is a launch of its own (its output is read by many tiles); a window's is done by
-        each reader on the way in (`matmul.decode_core`): (x, its `norm`), the weight's FLOPs theirs."""
-        if self.kind == "prefill":
-            return self.norm(name, x, weight, rows), {}
-        return x, {"norm": f"{weight}.weight", "norm_flops": 4.0 * rows * self.hp.n_embd}
 
     def attention_block(self, layer: int, x: str, rows: int, compute_ffn: bool = True) -> str:
         """One transformer block over `rows` positions; returns the block's output (the residual stream).
@@ -156,10 +145,10 @@ class _Builder:
         hp, p = self.hp, f"blk.{layer}."
         q_dim, k_dim, v_dim = hp.n_head * hp.head_dim_k, hp.n_head_kv * hp.head_dim_k, hp.n_head_kv * hp.head_dim_v
         e = hp.n_embd
-        h, normed = self.input_norm(p + "attn_norm", x, p + "attn_norm", rows)
-        q = self.matmul(p + "q", h, p + "attn_q", rows, e, q_dim, **normed)
-        k = self.matmul(p + "k", h, p + "attn_k", rows, e, k_dim, **normed)
-        v = self.matmul(p + "v", h, p + "attn_v", rows, e, v_dim, **normed)
+        h = self.norm(p + "attn_norm", x, p + "attn_norm", rows)
+        q = self.matmul(p + "q", h, p + "attn_q", rows, e, q_dim)
+        k = self.matmul(p + "k", h, p + "attn_k", rows, e, k_dim)
+        v = self.matmul(p + "v", h, p + "attn_v", rows, e, v_dim)
         if self.kind != "prefill":      # a window's three projections in one launch (`make_qkv_matmul`)
             self.fuse(q, k, v)
         qk_norm = hp.qk_norm    # each head of q and k normed before the rotation: one kernel does both
@@ -195,29 +184,24 @@ class _Builder:
         # a separate add took them: x + attention, then + the routed experts' sum, then + the shared expert
         x = self.matmul(p + "attn_out", attn, p + "attn_output", rows, hp.n_head * hp.head_dim_v, e, residual=x)
         ffn_norm = "ffn_norm" if hp.architecture == "qwen3moe" else "post_attention_norm"
-        h, normed = self.input_norm(p + "ffn_norm", x, p + ffn_norm, rows)
+        h = self.norm(p + "ffn_norm", x, p + ffn_norm, rows)
         if hp.is_moe_layer(layer):
-            return self.moe(layer, h, normed, rows, x)
-        act = self.ffn_gate_up(p, h, normed, rows, hp.n_ff, "")
-        return self.ffn_down(p, act, rows, hp.n_ff, "", x)
+            return self.moe(layer, h, rows, x)
+        return self.dense_ffn(p, h, rows, hp.n_ff, "", x)
 
-    def ffn_gate_up(self, p: str, h: str, normed: dict, rows: int, width: int, suffix: str) -> str:
-        """A SwiGLU FFN's activation: silu(gate) * up, fused into the gate/up op, so only it is stored."""
+    def dense_ffn(self, p: str, h: str, rows: int, width: int, suffix: str, residual: str) -> str:
+        """SwiGLU FFN added to `residual`; the activation is fused into the gate/up op, so only silu(gate) * up
+        is stored."""
         e = self.hp.n_embd
-        return self.op(f"{p}ffn_gate_up{suffix}", "swiglu_matmul", [h], (rows, width), flops=4.0 * rows * e * width,
-                       weights=(f"{p}ffn_gate{suffix}.weight", f"{p}ffn_up{suffix}.weight"), n_in=e, **normed)
+        act = self.op(f"{p}ffn_gate_up{suffix}", "swiglu_matmul", [h], (rows, width), flops=4.0 * rows * e * width,
+                      weights=(f"{p}ffn_gate{suffix}.weight", f"{p}ffn_up{suffix}.weight"), n_in=e)
+        return self.matmul(f"{p}ffn_down{suffix}", act, f"{p}ffn_down{suffix}", rows, width, e, residual=residual)
 
-    def ffn_down(self, p: str, act: str, rows: int, width: int, suffix: str, residual: str) -> str:
-        """A SwiGLU FFN's down projection of its activation, added to `residual`."""
-        return self.matmul(f"{p}ffn_down{suffix}", act, f"{p}ffn_down{suffix}", rows, width, self.hp.n_embd,
-                           residual=residual)
-
-    def moe(self, layer: int, h: str, normed: dict, rows: int, x: str) -> str:
-        """The routed experts (and the shared expert, where there is one) of `h` (`input_norm`), added to x in
-        place."""
+    def moe(self, layer: int, h: str, rows: int, x: str) -> str:
+        """The routed experts (and the shared expert, where there is one) of `h`, added to x in place."""
         hp, p, e = self.hp, f"blk.{layer}.", self.hp.n_embd
         k, f = hp.n_expert_used, hp.n_ff_exp
-        logits = self.matmul(p + "router", h, p + "ffn_gate_inp", rows, e, hp.n_expert, **normed)
+        logits = self.matmul(p + "router", h, p + "ffn_gate_inp", rows, e, hp.n_expert)
         # one launch selects and weighs the experts; a window's few rows are grouped in it too (`moe_route`)
         route = self.kind != "prefill"
         ids = self.op(p + "topk", "moe_route" if route else "topk", [logits], (rows, k), dtype="i32",
@@ -235,10 +219,7 @@ class _Builder:
             self.fuse(ids, weights)
         act = self.op(p + "moe_gate_up", "moe_swiglu_matmul", [h, groups], (rows * k, f),
                       flops=4.0 * rows * k * e * f, weights=(p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"),
-                      expert_layer=layer, n_in=e, **normed)
-        shared = hp.n_expert_shared and f"{p}ffn_up_shexp.weight" in self.bytes
-        if shared and normed:   # h is x itself, which the routed sum below changes: the shared expert reads it first
-            shared_act = self.ffn_gate_up(p, h, normed, rows, f * hp.n_expert_shared, "_shexp")
+                      expert_layer=layer, n_in=e)
         # h is an input of down too, only to keep it live: the runtime interleaves gate/up and down batch by
         # batch as the prefill ring streams experts, so down's output must not take h's bytes while gate/up
         # still reads them
@@ -251,13 +232,9 @@ class _Builder:
                         flops=2.0 * rows * k * e + rows * e, inplace=x)
         else:       # the weighted sum over a row's k experts is summed in the down kernel, in the same order
             down["flops"] += rows * e
-            live = [] if normed else [h]        # normed: h is x, an input already
-            x = self.op(p + "moe_down", "moe_down_matmul", [act, groups, weights, *live, x], (rows, e), inplace=x,
-                        **down)
-        if shared:
-            if not normed:
-                shared_act = self.ffn_gate_up(p, h, normed, rows, f * hp.n_expert_shared, "_shexp")
-            x = self.ffn_down(p, shared_act, rows, f * hp.n_expert_shared, "_shexp", x)
+            x = self.op(p + "moe_down", "moe_down_matmul", [act, groups, weights, h, x], (rows, e), inplace=x, **down)
+        if hp.n_expert_shared and f"{p}ffn_up_shexp.weight" in self.bytes:
+            x = self.dense_ffn(p, h, rows, f * hp.n_expert_shared, "_shexp", x)
         return x
 
     def head(self, x: str, rows: int, norm: str) -> str:
@@ -369,11 +346,6 @@ def launched(node: dict) -> bool:
 def launch_members(graph: nx.DiGraph, name: str) -> list[str]:
     """The nodes the launch of `name` computes: itself, then those it fuses."""
     return [name, *graph.nodes[name].get("fuses", ())]
-
-
-def matrix_weights(node: dict) -> tuple:
-    """A node's weights but its input's norm (`input_norm`): its matrices, then any bias."""
-    return tuple(w for w in node["weights"] if w != node.get("norm"))
 
 
 def written_at(graph: nx.DiGraph, name: str) -> str:

@@ -4,7 +4,7 @@ size, then decode windows. K/V pages are a plain table (page p in slot p) with r
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.graph import launch_members, matrix_weights
+from codegen.graph import launch_members
 from codegen.lower.kv_pages import kv_arrays
 from codegen.lower.cuda import cuda
 from codegen.lower.program import arena_layout, lower
@@ -109,9 +109,7 @@ def node_errors(runner: PassRunner, kind: str, token_ids, start: int = 0, refere
             node = graph.nodes[name]
             inputs = [host[p] if p in host else program.tensors[p].copy_to_host() if p in program.tensors
                       else None for p in graph.predecessors(name)]
-            w = [model.weights[n] for n in matrix_weights(node)]
-            if "norm" in node:      # a window's matmul norms its input on the way in
-                inputs[0] = ref.rmsnorm(inputs[0], model.weights[node["norm"]], hp.rms_eps)
+            w = [model.weights[n] for n in node["weights"]]
             op, layer = node["op"], name.split(".")[1] if name.startswith("blk.") else None
             got = program.tensors[name].copy_to_host() if name in program.tensors else None
             if op == "embed":
@@ -155,7 +153,7 @@ def node_errors(runner: PassRunner, kind: str, token_ids, start: int = 0, refere
                 want = np.stack([w[0][e] @ inputs[0][p] for p, e in enumerate(ids)])
             elif op == "moe_down_matmul":
                 ids, k = host[f"blk.{layer}.topk"], hp.n_expert_used
-                route_w, residual = inputs[2], inputs[-1]
+                route_w, residual = inputs[2], inputs[4]
                 want = residual + np.stack([sum(route_w[r, j] * (w[0][ids[r, j]] @ inputs[0][r * k + j])
                                                 for j in range(k))
                                             for r in range(len(ids))])

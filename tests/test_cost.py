@@ -9,8 +9,7 @@ import pytest
 import codegen.cost as codegen_cost
 from codegen.cost import (expected_tile_rows_per_pair, kernel_family, measured_tile_rows_per_pair, node_tiles,
                           pass_cost, tile_terms, tiled_s, tiled_sm_s)
-from codegen.graph import (EXPERT_TILE_ROWS, build_pass, launched, matrix_weights, prefill_attention_rows,
-                           representative_layers)
+from codegen.graph import EXPERT_TILE_ROWS, build_pass, launched, prefill_attention_rows, representative_layers
 from planner.kv import parse_kv_type
 from planner.model import load_model
 from planner.predict import DeviceCost, DeviceShare
@@ -198,7 +197,7 @@ def test_a_host_expert_nodes_roofline_reads_its_experts_at_the_zero_copy_rate(qw
         if "expert_layer" not in node:
             assert host_s == device_s
             continue
-        expert_bytes = sum(qwen.tensor_bytes[w] for w in matrix_weights(node)) * qwen.hparams.n_expert_used \
+        expert_bytes = sum(qwen.tensor_bytes[w] for w in node["weights"]) * qwen.hparams.n_expert_used \
             / qwen.hparams.n_expert
         assert host_s - device_s == pytest.approx(expert_bytes / gpu.zero_copy_read_bytes_per_s
                                                   - expert_bytes / gpu.memory_bandwidth_bytes_per_s, rel=1e-6)

@@ -9,7 +9,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import prefill_tiling
-from codegen.lower import MAX_WINDOW, matmul, pointwise, weights
+from codegen.lower import MAX_WINDOW, matmul, weights
 from codegen.lower.cuda import cuda
 from codegen.lower.word_formats import FORMATS
 from planner.model import split_bytes
@@ -134,32 +134,28 @@ def test_decode_rows_do_not_depend_on_rows_per_group_or_chunks_in_flight(rng):
     for nr, unroll in [(1, 1), (2, 2), (8, 1), (3, 2)]:
         out = cuda.to_device(np.full((3, n_out), np.nan, np.float32))
         kernel = matmul.decode_kernel(T.Q8_0, n_in, False, False, base._replace(nr=nr, unroll=unroll))
-        kernel(0, x, data, scales, data, scales, x, out, x)
+        kernel(0, x, data, scales, data, scales, x, out)
         results.append(out.copy_to_host())
     assert not np.isnan(results[0]).any()
     for other in results[1:]:
         assert np.array_equal(other, results[0])
 
 
-def check_qkv(rng, n_in, mats, rows, fused_norm=False):
+def check_qkv(rng, n_in, mats, rows):
     """A decode window's q, k and v in one launch, `mats` their (type, rows, bias?): each output bitwise
-    make_matmul's decode launch of that matrix, which matches the reference; fused_norm: the launch RMSNorms x
-    on the way in, bitwise make_rmsnorm's output through those launches."""
-    x = activations(rng, rows, n_in) * rng.uniform(0.1, 10.0, (rows, 1)).astype(np.float32)
-    norm = rng.standard_normal(n_in).astype(np.float32)
-    x_in = rmsnorm(x, norm) if fused_norm else x
+    make_matmul's decode launch of that matrix, which matches the reference."""
+    x = activations(rng, rows, n_in)
     args, parts, expected = [], [], []
     for ggml_type, n_out, with_bias in mats:
         _, w, ref_w = packed_weight(rng, ggml_type, (n_out, n_in))
         bias = rng.standard_normal(n_out).astype(np.float32) if with_bias else None
-        alone = run_matmul("decode", ggml_type, x_in, w, bias)
-        assert rel_err(alone, x_in.astype(np.float64) @ ref_w.T + (0 if bias is None else bias)) < TOL
+        alone = run_matmul("decode", ggml_type, x, w, bias)
+        assert rel_err(alone, x.astype(np.float64) @ ref_w.T + (0 if bias is None else bias)) < TOL
         expected.append(alone)
         out = cuda.to_device(np.full((rows, n_out), np.nan, np.float32))
         args += [w, cuda.to_device(bias if with_bias else np.zeros(1, np.float32)), out]
         parts.append(matmul.DecodePart(ggml_type, n_out, with_bias))
-    launch = matmul.make_qkv_matmul(n_in, tuple(parts), NORM_EPS if fused_norm else None)
-    launch(0, cuda.to_device(x), *args, **({"norm": cuda.to_device(norm)} if fused_norm else {}))
+    matmul.make_qkv_matmul(n_in, tuple(parts))(0, cuda.to_device(x), *args)
     for out, alone in zip(args[2::3], expected):
         np.testing.assert_array_equal(out.copy_to_host(), alone)
 
@@ -167,62 +163,6 @@ def check_qkv(rng, n_in, mats, rows, fused_norm=False):
 @pytest.mark.parametrize("rows", [1, 4])
 def test_qkv_launch_gives_each_projection_its_own_launchs_bits(rng, rows):
     check_qkv(rng, 128, [(T.Q8_0, 48, True), (T.Q4_0, 16, False), (T.F16, 16, True)], rows)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# a decode matmul's input RMSNormed on the way in (the norm's launch saved)
-
-NORM_EPS = 1e-6
-
-
-def rmsnorm(x, weight):
-    """make_rmsnorm's output: what a fused norm must reproduce bit for bit."""
-    out = cuda.device_array(x.shape, np.float32)
-    pointwise.make_rmsnorm(x.shape[1], NORM_EPS)(0, cuda.to_device(x), cuda.to_device(weight), out)
-    return out.copy_to_host()
-
-
-@pytest.mark.parametrize("ggml_type, n_in", [(T.Q8_0, 320), (T.Q4_0, 96), (T.F16, 64)])
-@pytest.mark.parametrize("rows", [1, 3, MAX_WINDOW])
-def test_a_fused_norm_gives_the_norm_kernels_bits(rng, ggml_type, n_in, rows):
-    """make_matmul and make_swiglu_matmul with norm_eps, x's rows at scales 0.1..10: bitwise the norm kernel's
-    output through the plain launches (n_in 320: the norm's 256 threads take two values each, some one; 96
-    and 64: fewer threads than the matmul's block)."""
-    x = activations(rng, rows, n_in) * rng.uniform(0.1, 10.0, (rows, 1)).astype(np.float32)
-    norm = rng.standard_normal(n_in).astype(np.float32)
-    normed = rmsnorm(x, norm)
-    _, w, _ = packed_weight(rng, ggml_type, (40, n_in))
-    b = rng.standard_normal(40).astype(np.float32)
-    out = cuda.to_device(np.full((rows, 40), np.nan, np.float32))
-    matmul.make_matmul("decode", ggml_type, n_in, 40, True, norm_eps=NORM_EPS)(
-        0, cuda.to_device(x), w, cuda.to_device(b), out, norm=cuda.to_device(norm))
-    np.testing.assert_array_equal(out.copy_to_host(), run_matmul("decode", ggml_type, normed, w, b))
-    _, gate, _ = packed_weight(rng, ggml_type, (24, n_in))
-    _, up, _ = packed_weight(rng, ggml_type, (24, n_in))
-    act = cuda.to_device(np.full((rows, 24), np.nan, np.float32))
-    matmul.make_swiglu_matmul("decode", ggml_type, n_in, 24, NORM_EPS)(0, cuda.to_device(x), gate, up, act,
-                                                                       norm=cuda.to_device(norm))
-    np.testing.assert_array_equal(act.copy_to_host(), run_swiglu("decode", ggml_type, normed, gate, up))
-
-
-@pytest.mark.parametrize("rows", [1, 4])
-def test_a_fused_norm_in_the_qkv_launch_gives_the_norm_kernels_bits(rng, rows):
-    check_qkv(rng, 160, [(T.Q8_0, 48, True), (T.Q4_0, 16, False), (T.F16, 16, True)], rows, fused_norm=True)
-
-
-def test_a_fused_norm_is_refused_where_it_cannot_run(rng):
-    with pytest.raises(ValueError, match="only the decode family"):
-        matmul.make_matmul("prefill", T.Q8_0, 64, 32, False, norm_eps=NORM_EPS)
-    _, w, _ = packed_weight(rng, T.Q8_0, (32, 64))
-    x, out = cuda.to_device(activations(rng, 1, 64)), cuda.device_array((1, 32), np.float32)
-    b = cuda.to_device(np.zeros(1, np.float32))
-    with pytest.raises(ValueError, match="needs its weight of 64 values"):
-        matmul.make_matmul("decode", T.Q8_0, 64, 32, False, norm_eps=NORM_EPS)(0, x, w, b, out)
-    with pytest.raises(ValueError, match="needs its weight of 64 values, got \\(32,\\)"):
-        matmul.make_matmul("decode", T.Q8_0, 64, 32, False, norm_eps=NORM_EPS)(
-            0, x, w, b, out, norm=cuda.to_device(np.ones(32, np.float32)))
-    with pytest.raises(ValueError, match="made without norm_eps"):
-        matmul.make_matmul("decode", T.Q8_0, 64, 32, False)(0, x, w, b, out, norm=cuda.to_device(np.ones(64, np.float32)))
 
 
 def test_decode_swiglu_rows_do_not_depend_on_the_window(rng):
@@ -327,13 +267,11 @@ def test_gpu_real_shape(rng, family, ggml_type):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused_norm", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, MAX_WINDOW])
 @pytest.mark.parametrize("n_in, n_q, n_kv, with_bias", [(2048, 4096, 512, False), (4096, 12288, 1024, True)],
                          ids=["qwen3-30b", "glm-4.5-air"])
-def test_gpu_qkv_real_shapes(rng, n_in, n_q, n_kv, with_bias, rows, fused_norm):
-    check_qkv(rng, n_in, [(T.Q8_0, n_q, with_bias), (T.Q8_0, n_kv, with_bias), (T.Q8_0, n_kv, with_bias)], rows,
-              fused_norm)
+def test_gpu_qkv_real_shapes(rng, n_in, n_q, n_kv, with_bias, rows):
+    check_qkv(rng, n_in, [(T.Q8_0, n_q, with_bias), (T.Q8_0, n_kv, with_bias), (T.Q8_0, n_kv, with_bias)], rows)
 
 
 @pytest.mark.parametrize("n_in, n_out, rows, swiglu", [(256, 96, 1, False), (256, 4096, 200, False),

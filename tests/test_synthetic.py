@@ -205,10 +205,17 @@ def test_realistic_weights_follow_the_card(tmp_path, rng, architecture):
             assert values.std() > 0.05
 
 
-def test_realistic_weights_refuse_a_type_no_kernel_reads():
-    tensors = realistic_weights("glm-4.5-air-q4_k_m", seed=0)
-    with pytest.raises(StratumError, match="Q4_K"):
-        next(tensors)
+def test_realistic_weights_refuse_a_type_no_kernel_reads(tmp_path):
+    """A card's Q6_K tensor (Q4_K_M files store attn_v so) is refused when it is reached, after the Q4_K one."""
+    card = tmp_path / "tiny-q6_k.yaml"
+    card.write_text(yaml.safe_dump({"name": card.stem, "architecture": "qwen3moe",
+                                    "metadata": {**TINY_CARDS["qwen3moe"], "embedding_length": 256},
+                                    "types": {"default": "q8_0", "attn_q": "q4_k", "attn_v": "q6_k"}}))
+    names = []
+    with pytest.raises(StratumError, match="Q6_K"):
+        for name, _ in realistic_weights(card, seed=0):
+            names.append(name)
+    assert "blk.0.attn_k.weight" in names and "blk.0.attn_v.weight" not in names
 
 
 def test_write_model_refusals(tmp_path):

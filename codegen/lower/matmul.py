@@ -29,7 +29,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from codegen.graph import TILE_WEIGHT_ROWS, prefill_tile_rows, tile_cols
-from codegen.lower import FAMILIES, MAX_WINDOW, pointwise
+from codegen.lower import FAMILIES, MAX_WINDOW
 from codegen.lower.cuda import (SIMULATOR, aligned16, cuda, launch_kernel, load4, mapped_device_view, syncwarp,
                                 warp_sum)
 from codegen.lower.weights import KERNEL_TYPES, QUANT_BLOCK
@@ -140,20 +140,13 @@ def decode_shape(fmt: Format, n_in: int, n_out: int, window: int) -> DecodeShape
 
 
 @functools.cache
-def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, window: int,
-                norm_eps: float | None = None):
+def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, window: int):
     """(dot, reduce) device functions for groups of `tg` lanes over `n_a` rows of matrix a and `n_b` of b,
     compiled for activation windows of up to `window` rows.
 
-    dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc, norm): the lane's partial sums
+    dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc): the lane's partial sums
       acc[i, r] of weight row i (rows row_a.. of a, then row_b.. of b; clamped to last_*) with activation
       row xrow[r] of x, r < nx <= window (nothing, not even a load, when nx is 0).
-      With `norm_eps`, the activation rows are RMSNormed on the way in, by the weight `norm` (1, n_in):
-      the block computes each row's scale as `pointwise.make_rmsnorm` does (`pointwise.row_inverse_rms`),
-      while its first chunks' loads are in flight, and multiplies each loaded value by it and then by its
-      weight, as that kernel does; so the sums are bitwise those of the norm's output, and a decode step
-      saves the norm's launch. Every thread of the block calls dot then, with the same nx (it syncs).
-      Without, `norm` is not read (any float32 matrix: numba types both sides of a constant branch).
     reduce(red, g, lane, acc, nx): group g's lanes summed in a fixed tree: totals in red[g, i * window + r, 0]
       (for the group's lanes to read; a warp's shuffles when tg is 32, else a shared-memory tree).
     A sum's operations depend on (type, n_in, tg) only: every window and row count gives bitwise the same.
@@ -183,11 +176,9 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
     steps, step_values = cw // step_words, step_words * vpw
     quads = step_values // 4
     levels = tg.bit_length() - 1
-    normed = norm_eps is not None
-    norm_threads, row_scale = pointwise.row_inverse_rms(n_in, norm_eps or 0.0)
 
     @cuda.jit(device=True, inline=True)
-    def apply(u, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc, norm, x_scale):
+    def apply(u, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc):
         """Chunk u of the group in flight: per step, x's values for every window row, then each row's words
         decoded once and applied to all of them. A type with mins (Q4_K) sums the chunk's x too: its
         values are scale * q - min, so a chunk adds scale * sum(q x) - min * sum(x)."""
@@ -205,19 +196,11 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                     if r < nx:
                         xr = U(xrow[r])
                         for j in range(quads):
-                            col = U(x0 + elem(t * step_words, 4 * j, vpw))
-                            quad = load4(x, (xr, col))
-                            if normed:
-                                weight, row_scale_r = load4(norm, (U(0), col)), x_scale[r]
-                                xs[r, 4 * j] = quad[0] * row_scale_r * weight[0]
-                                xs[r, 4 * j + 1] = quad[1] * row_scale_r * weight[1]
-                                xs[r, 4 * j + 2] = quad[2] * row_scale_r * weight[2]
-                                xs[r, 4 * j + 3] = quad[3] * row_scale_r * weight[3]
-                            else:
-                                xs[r, 4 * j] = quad[0]
-                                xs[r, 4 * j + 1] = quad[1]
-                                xs[r, 4 * j + 2] = quad[2]
-                                xs[r, 4 * j + 3] = quad[3]
+                            quad = load4(x, (xr, U(x0 + elem(t * step_words, 4 * j, vpw))))
+                            xs[r, 4 * j] = quad[0]
+                            xs[r, 4 * j + 1] = quad[1]
+                            xs[r, 4 * j + 2] = quad[2]
+                            xs[r, 4 * j + 3] = quad[3]
                         if has_min:
                             for e in range(step_values):
                                 xsum[r] += xs[r, e]
@@ -255,7 +238,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                         scale[u, i], low[u, i] = block_scale(ssrc, U(woff[i] * spr), U(c * cw))
 
     @cuda.jit(device=True, inline=True)
-    def dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc, norm):
+    def dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc):
         for i in range(nw):
             for r in range(window):
                 acc[i, r] = np.float32(0)
@@ -277,26 +260,19 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
             part = cuda.local.array((nw, window), np.float32)
             xsum = cuda.local.array(window, np.float32)
             fetch(0, wa, sa, wb, sb, woff, lane, held, scale, low)
-            x_scale = cuda.local.array(window, np.float32)
-            if normed:      # while the first chunks' loads are in flight
-                partial = cuda.shared.array(norm_threads, np.float32)
-                for r in range(window):
-                    x_scale[r] = np.float32(0)
-                    if r < nx:
-                        x_scale[r] = row_scale(x, xrow[r], partial)
             for it in range(0, padded, unroll):
                 # the next chunks' loads go out before these chunks' arithmetic: loads always in flight
                 if it + unroll < padded:
                     fetch(it + unroll, wa, sa, wb, sb, woff, lane, ahead, ahead_scale, ahead_low)
                 # written out, not a loop: the compiler would not unroll a loop this big, and the chunks'
                 # registers must be indexed by constants
-                apply(0, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc, norm, x_scale)
+                apply(0, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc)
                 if unroll > 1:
-                    apply(1, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc, norm, x_scale)
+                    apply(1, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc)
                 if unroll > 2:
-                    apply(2, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc, norm, x_scale)
+                    apply(2, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc)
                 if unroll > 3:
-                    apply(3, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc, norm, x_scale)
+                    apply(3, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc)
                 for u in range(unroll):
                     for i in range(nw):
                         for q in range(cw):
@@ -339,20 +315,18 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
 
 
 @functools.cache
-def decode_rows(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeShape, residual: bool = False,
-                norm_eps: float | None = None):
+def decode_rows(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeShape, residual: bool = False):
     """(rows, rows_a_block, red_shape): the decode family's dense kernel body as a device function
-    rows(x, wa, sa, wb, sb, b, out, block, red, norm), block `block`'s `rows_a_block` output rows of out (rows,
+    rows(x, wa, sa, wb, sb, b, out, block, red), block `block`'s `rows_a_block` output rows of out (rows,
     n_out = out.shape[1]) for x.shape[0] <= shape.window (SwiGLU: a = gate, b = up; residual: out += the
-    product; norm_eps: of x RMSNormed by the weight `norm`, `decode_core`), red a shared float32 array of
-    red_shape."""
+    product), red a shared float32 array of red_shape."""
     tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
     n_b = nr if swiglu else 0
-    dot, reduce = decode_core(ggml_type, n_in, nr, n_b, tg, shape.unroll, window, norm_eps)
+    dot, reduce = decode_core(ggml_type, n_in, nr, n_b, tg, shape.unroll, window)
     acc_shape = (nr + n_b, window)
 
     @cuda.jit(device=True, inline=True)
-    def rows(x, wa, sa, wb, sb, b, out, block, red, norm):
+    def rows(x, wa, sa, wb, sb, b, out, block, red):
         t = cuda.threadIdx.x & IDX
         g, lane = t // tg, t % tg
         n0 = (block * groups + g) * nr
@@ -361,7 +335,7 @@ def decode_rows(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeSha
         for r in range(window):
             xrow[r] = r
         acc = cuda.local.array(acc_shape, np.float32)
-        dot(wa, sa, wb, sb, n0, n0, n_out - 1, n_out - 1, x, xrow, nx, lane, acc, norm)
+        dot(wa, sa, wb, sb, n0, n0, n_out - 1, n_out - 1, x, xrow, nx, lane, acc)
         reduce(red, g, lane, acc, nx)
         for j in range(lane, nr * window, tg):
             i, r = j // window, j % window
@@ -380,42 +354,21 @@ def decode_rows(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeSha
 
 
 @functools.cache
-def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeShape, residual: bool = False,
-                  norm_eps: float | None = None):
-    """launch(stream, x, wa, sa, wb, sb, b, out, norm): the decode family's dense kernel (`decode_rows`), a
-    block per `rows_a_block` outputs (norm: read only with norm_eps)."""
-    rows, rows_a_block, red_shape = decode_rows(ggml_type, n_in, bias, swiglu, shape, residual, norm_eps)
+def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeShape, residual: bool = False):
+    """launch(stream, x, wa, sa, wb, sb, b, out): the decode family's dense kernel (`decode_rows`), a block per
+    `rows_a_block` outputs."""
+    rows, rows_a_block, red_shape = decode_rows(ggml_type, n_in, bias, swiglu, shape, residual)
 
     @cuda.jit
-    def kernel(x, wa, sa, wb, sb, b, out, norm):
+    def kernel(x, wa, sa, wb, sb, b, out):
         red = cuda.shared.array(red_shape, np.float32)
-        rows(x, wa, sa, wb, sb, b, out, cuda.blockIdx.x & BIDX, red, norm)
+        rows(x, wa, sa, wb, sb, b, out, cuda.blockIdx.x & BIDX, red)
 
-    def launch(stream, x, wa, sa, wb, sb, b, out, norm):
+    def launch(stream, x, wa, sa, wb, sb, b, out):
         check_aligned("a decode matmul's activations", x)
         launch_kernel(kernel, -(-out.shape[1] // rows_a_block), shape.groups * shape.tg, stream,
-                      x, wa, sa, wb, sb, b, out, norm)
+                      x, wa, sa, wb, sb, b, out)
     return launch
-
-
-def check_norm(family: str, norm_eps: float | None) -> None:
-    """A matmul made with norm_eps RMSNorms its input on the way in (`decode_core`): the decode family only, where
-    it saves a launch; a prefill chunk's norm is a launch of its own, its output read by many tiles."""
-    if norm_eps is not None and family != "decode":
-        raise ValueError("only the decode family fuses a norm into its input; a prefill chunk's is its own launch")
-
-
-def norm_arg(n_in: int, norm_eps: float | None, norm, x):
-    """What a launch passes its kernel for the norm: the weight `norm` (n_in,) as a (1, n_in) view, checked, where
-    the input is normed on the way in; else the activations x, which the kernel then never reads there."""
-    if norm_eps is None:
-        if norm is not None:
-            raise ValueError("a norm weight for a matmul made without norm_eps")
-        return x
-    if norm is None or norm.shape != (n_in,):
-        raise ValueError(f"a fused norm needs its weight of {n_in} values, got {None if norm is None else norm.shape}")
-    check_aligned("a fused norm's weight", norm)
-    return norm.reshape(1, n_in)
 
 
 class DecodePart(NamedTuple):
@@ -426,13 +379,13 @@ class DecodePart(NamedTuple):
 
 
 @functools.cache
-def qkv_kernel(n_in: int, parts: tuple, window: int, norm_eps: float | None = None):
+def qkv_kernel(n_in: int, parts: tuple, window: int):
     """The kernel of `make_qkv_matmul` for windows of up to `window` rows: blocks 0.. compute q's rows, then
     k's, then v's, each matrix's by its own `decode_rows` (the shape its own launch would take)."""
     bodies = []
     for part in parts:
         shape = decode_shape(FORMATS[part.ggml_type], n_in, part.n_out, window)
-        rows, rows_a_block, red_shape = decode_rows(part.ggml_type, n_in, part.bias, False, shape, False, norm_eps)
+        rows, rows_a_block, red_shape = decode_rows(part.ggml_type, n_in, part.bias, False, shape)
         bodies.append((rows, -(-part.n_out // rows_a_block), red_shape, shape.groups * shape.tg))
     (q_rows, q_blocks, q_red, q_threads), (k_rows, k_blocks, k_red, k_threads), \
         (v_rows, v_blocks, v_red, v_threads) = bodies
@@ -444,38 +397,37 @@ def qkv_kernel(n_in: int, parts: tuple, window: int, norm_eps: float | None = No
                          f"for a window of {window} (at most {SHARED_BYTES})")
 
     @cuda.jit
-    def kernel(x, qa, qs, qb, q_out, ka, ks, kb, k_out, va, vs, vb, v_out, norm):
+    def kernel(x, qa, qs, qb, q_out, ka, ks, kb, k_out, va, vs, vb, v_out):
         block = cuda.blockIdx.x & BIDX
         if block < q_blocks:        # (the same branch for the whole block)
             red = cuda.shared.array(q_red, np.float32)
-            q_rows(x, qa, qs, qa, qs, qb, q_out, block, red, norm)
+            q_rows(x, qa, qs, qa, qs, qb, q_out, block, red)
         elif block < q_blocks + k_blocks:
             red = cuda.shared.array(k_red, np.float32)
-            k_rows(x, ka, ks, ka, ks, kb, k_out, block - q_blocks, red, norm)
+            k_rows(x, ka, ks, ka, ks, kb, k_out, block - q_blocks, red)
         else:
             red = cuda.shared.array(v_red, np.float32)
-            v_rows(x, va, vs, va, vs, vb, v_out, block - q_blocks - k_blocks, red, norm)
+            v_rows(x, va, vs, va, vs, vb, v_out, block - q_blocks - k_blocks, red)
 
     return kernel, q_blocks + k_blocks + v_blocks, q_threads
 
 
 @functools.cache
-def make_qkv_matmul(n_in: int, parts: tuple, norm_eps: float | None = None):
-    """launch(stream, x, q_w, q_b, q_out, k_w, k_b, k_out, v_w, v_b, v_out, norm=None): a decode window's three
-    attention projections of x (rows, n_in) in one launch, `parts` their DecodeParts; each output bitwise what
-    make_matmul's decode launch of its matrix gives (the same rows body, shape and order); with norm_eps, of x
-    RMSNormed by `norm` (n_in,) on the way in. A decode step's q, k and v are too small to fill the GPU one
-    after another (BENCHMARKS.md)."""
+def make_qkv_matmul(n_in: int, parts: tuple):
+    """launch(stream, x, q_w, q_b, q_out, k_w, k_b, k_out, v_w, v_b, v_out): a decode window's three attention
+    projections of x (rows, n_in) in one launch, `parts` their DecodeParts; each output bitwise what
+    make_matmul's decode launch of its matrix gives (the same rows body, shape and order). A decode step's
+    q, k and v are too small to fill the GPU one after another (BENCHMARKS.md)."""
     if len(parts) != 3:
         raise ValueError(f"q, k and v: three matrices, got {len(parts)}")
     for part in parts:
         check("decode", part.ggml_type, n_in, part.n_out)
 
-    def launch(stream, x, q_w, q_b, q_out, k_w, k_b, k_out, v_w, v_b, v_out, norm=None):
+    def launch(stream, x, q_w, q_b, q_out, k_w, k_b, k_out, v_w, v_b, v_out):
         check_aligned("a decode matmul's activations", x)
-        kernel, blocks, threads = qkv_kernel(n_in, parts, window_rows(x), norm_eps)
+        kernel, blocks, threads = qkv_kernel(n_in, parts, window_rows(x))
         launch_kernel(kernel, blocks, threads, stream, x, *words(q_w), q_b, q_out, *words(k_w), k_b, k_out,
-                      *words(v_w), v_b, v_out, norm_arg(n_in, norm_eps, norm, x))
+                      *words(v_w), v_b, v_out)
     return launch
 
 
@@ -649,49 +601,39 @@ def prefill_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, bm: int, resi
 # factories
 
 
-def _dense(family: str, ggml_type, n_in: int, n_out: int, bias: bool, swiglu: bool, residual: bool = False,
-           norm_eps: float | None = None):
-    """launch(stream, x, wa, sa, wb, sb, b, out, norm=None) of either family (norm: `make_matmul`'s)."""
+def _dense(family: str, ggml_type, n_in: int, n_out: int, bias: bool, swiglu: bool, residual: bool = False):
     fmt = check(family, ggml_type, n_in, n_out)
-    check_norm(family, norm_eps)
     if family == "prefill":
-        kernel = prefill_kernel(T(ggml_type), n_in, bias, swiglu, prefill_tile_rows(n_out), residual)
+        return prefill_kernel(T(ggml_type), n_in, bias, swiglu, prefill_tile_rows(n_out), residual)
 
-        def launch(stream, x, wa, sa, wb, sb, b, out, norm=None):
-            kernel(stream, x, wa, sa, wb, sb, b, out)
-        return launch
-
-    def launch(stream, x, wa, sa, wb, sb, b, out, norm=None):
+    def launch(stream, x, wa, sa, wb, sb, b, out):
         shape = decode_shape(fmt, n_in, n_out, window_rows(x))
-        decode_kernel(T(ggml_type), n_in, bias, swiglu, shape, residual, norm_eps)(
-            stream, x, wa, sa, wb, sb, b, out, norm_arg(n_in, norm_eps, norm, x))
+        decode_kernel(T(ggml_type), n_in, bias, swiglu, shape, residual)(stream, x, wa, sa, wb, sb, b, out)
     return launch
 
 
 @functools.cache
-def make_matmul(family: str, ggml_type, n_in: int, n_out: int, bias: bool, residual: bool = False,
-                norm_eps: float | None = None):
-    """launch(stream, x, w, b, out, norm=None): out (rows, n_out) = x (rows, n_in) @ W.T (+ b); `b` is a
-    1-element placeholder when `bias` is False. residual: out += that instead, out holding the residual stream
-    (a block's attention output and FFN down projections: the residual add is their epilogue, one float32
+def make_matmul(family: str, ggml_type, n_in: int, n_out: int, bias: bool, residual: bool = False):
+    """launch(stream, x, w, b, out): out (rows, n_out) = x (rows, n_in) @ W.T (+ b); `b` is a 1-element
+    placeholder when `bias` is False. residual: out += that instead, out holding the residual stream (a
+    block's attention output and FFN down projections: the residual add is their epilogue, one float32
     addition of the same two values a separate add kernel made, so the same bits and one launch fewer).
-    norm_eps (decode): of x RMSNormed by the weight `norm` (n_in,) on the way in, bitwise what
-    `pointwise.make_rmsnorm`'s output gives, one launch fewer. decode: rows <= MAX_WINDOW."""
-    inner = _dense(family, ggml_type, n_in, n_out, bias, False, residual, norm_eps)
+    decode: rows <= MAX_WINDOW."""
+    inner = _dense(family, ggml_type, n_in, n_out, bias, False, residual)
 
-    def launch(stream, x, w, b, out, norm=None):
+    def launch(stream, x, w, b, out):
         data, scales = words(w)
-        inner(stream, x, data, scales, data, scales, b, out, norm)
+        inner(stream, x, data, scales, data, scales, b, out)
     return launch
 
 
 @functools.cache
-def make_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, norm_eps: float | None = None):
-    """launch(stream, x, gate, up, out, norm=None): out (rows, n_ff) = silu(x @ gate.T) * (x @ up.T), each dot
-    in make_matmul's order (norm_eps: make_matmul's)."""
-    inner = _dense(family, ggml_type, n_in, n_ff, False, True, False, norm_eps)
+def make_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int):
+    """launch(stream, x, gate, up, out): out (rows, n_ff) = silu(x @ gate.T) * (x @ up.T), each dot in
+    make_matmul's order."""
+    inner = _dense(family, ggml_type, n_in, n_ff, False, True)
 
-    def launch(stream, x, gate, up, out, norm=None):
+    def launch(stream, x, gate, up, out):
         gate_words, gate_scales = words(gate)
-        inner(stream, x, gate_words, gate_scales, *words(up), gate_scales, out, norm)     # (no bias: never read)
+        inner(stream, x, gate_words, gate_scales, *words(up), gate_scales, out)
     return launch

@@ -47,8 +47,7 @@ from codegen.lower import MAX_WINDOW, pointwise
 from codegen.lower.cuda import SIMULATOR, cuda, launch_kernel
 from codegen.lower.pointwise import WARP
 from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
-                                  check, check_aligned, check_norm, decode_core, norm_arg, prefill_core, silu,
-                                  window_rows, words)
+                                  check, check_aligned, decode_core, prefill_core, silu, window_rows, words)
 from codegen.lower.word_formats import FORMATS
 
 GROUP_THREADS = 1024    # at most, for make_moe_groups: a block's threads, each a run of consecutive pairs
@@ -248,17 +247,16 @@ def decode_down_shape(window: int) -> DecodeShape:
 
 @functools.cache
 def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape: DecodeShape,
-                  strides: ExpertStrides, norm_eps: float | None = None):
-    """launch(stream, x, groups, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act, norm): the decode family's
-    routed gate/up; expert e's rows come from the slot arrays (g*, u*) at slot_of[e], or the host arrays (hg*,
-    hu*) at e when slot_of[e] < 0; with norm_eps, of x RMSNormed by norm (1, n_in) on the way in
-    (`matmul.decode_core`; a block's pairs are one expert's, so its threads agree on the rows)."""
+                  strides: ExpertStrides):
+    """launch(stream, x, groups, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act): the decode family's routed
+    gate/up; expert e's rows come from the slot arrays (g*, u*) at slot_of[e], or the host arrays (hg*, hu*)
+    at e when slot_of[e] < 0."""
     tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
-    dot, reduce = decode_core(ggml_type, n_in, nr, nr, tg, shape.unroll, window, norm_eps)
+    dot, reduce = decode_core(ggml_type, n_in, nr, nr, tg, shape.unroll, window)
     red_shape, acc_shape = (groups, 2 * nr * window, tg), (2 * nr, window)
 
     @cuda.jit
-    def kernel(x, grouped, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act, norm):
+    def kernel(x, grouped, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act):
         red = cuda.shared.array(red_shape, np.float32)
         t = cuda.threadIdx.x & IDX
         g, lane = t // tg, t % tg
@@ -278,7 +276,7 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
         n0 = ((cuda.blockIdx.x & BIDX) * groups + g) * nr
         wa, sa, wb, sb = _source(slot_of, e, strides, ga, gs, ua, us, hga, hgs, hua, hus)
         acc = cuda.local.array(acc_shape, np.float32)
-        dot(wa, sa, wb, sb, n0, n0, n_ff - 1, n_ff - 1, x, xrow, nx, lane, acc, norm)
+        dot(wa, sa, wb, sb, n0, n0, n_ff - 1, n_ff - 1, x, xrow, nx, lane, acc)
         reduce(red, g, lane, acc, nx)
         for j in range(lane, nr * window, tg):
             i, r = j // window, j % window
@@ -287,9 +285,9 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
 
     col_blocks = -(-n_ff // (groups * nr))
 
-    def launch(stream, x, grouped, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act, norm):
+    def launch(stream, x, grouped, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act):
         launch_kernel(kernel, (col_blocks, min(n_expert, x.shape[0] * k)), groups * tg, stream,
-            x, grouped, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act, norm)
+            x, grouped, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act)
     return launch
 
 
@@ -333,7 +331,7 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
                     if r < nx:
                         pair[r] = grouped[n_expert + 1 + first + r]
                         xrow[r] = pair[r]
-            dot(wa, sa, wa, sa, n0, 0, n_out - 1, 0, act, xrow, nx, lane, acc, act)     # (no norm: not read)
+            dot(wa, sa, wa, sa, n0, 0, n_out - 1, 0, act, xrow, nx, lane, acc)
             reduce(red, g, lane, acc, nx)
             for j in range(lane, nr * window, tg):
                 if j % window < nx:
@@ -541,27 +539,23 @@ def _range(family: str, n_expert: int, lo, hi, tiles=None) -> tuple:
 
 
 @functools.cache
-def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, slot_bytes: int = 0,
-                           norm_eps: float | None = None):
-    """launch(stream, x, groups, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None, tiles=None, norm=None):
+def make_moe_swiglu_matmul(family: str, ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, slot_bytes: int = 0):
+    """launch(stream, x, groups, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None, tiles=None):
     act[r * k + j] = silu(G @ x[r]) * (U @ x[r]) for the pairs whose expert e = ids[r, j] has lo <= e < hi
     (hi None: n_expert; decode: every expert, no range), other act rows untouched; G, U = gate[slot_of[e]],
     up[slot_of[e]] (gate/up: slots of n_ff x n_in, contiguous or `slot_bytes` apart), or host_gate[e],
     host_up[e] (host_* (n_expert, n_ff, n_in), contiguous) when slot_of[e] < 0. tiles (prefill only): the
-    range's tiles from the routing (`range_tiles`), else the grid covers any routing. norm_eps (decode): of x
-    RMSNormed by the weight `norm` (n_in,) on the way in (`matmul.make_matmul`'s)."""
+    range's tiles from the routing (`range_tiles`), else the grid covers any routing."""
     check(family, ggml_type, n_in, n_ff)
-    check_norm(family, norm_eps)
     strides = expert_strides(ggml_type, n_ff, n_in, slot_bytes)
     if family == "decode":
-        def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None, tiles=None,
-                   norm=None):
+        def launch(stream, x, grouped, slot_of, gate, up, host_gate, host_up, act, lo=0, hi=None, tiles=None):
             _range(family, n_expert, lo, hi, tiles)
             check_aligned("a routed gate/up's activations", x)
             shape = decode_swiglu_shape(window_rows(x))
-            decode_swiglu(T(ggml_type), n_in, n_ff, n_expert, k, shape, strides, norm_eps)(
+            decode_swiglu(T(ggml_type), n_in, n_ff, n_expert, k, shape, strides)(
                 stream, x, grouped, slot_of, *words(gate), *words(up), *words(host_gate), *words(host_up),
-                act, norm_arg(n_in, norm_eps, norm, x))
+                act)
         return launch
     return _prefill_launch(prefill_kernel(T(ggml_type), n_in, n_ff, n_expert, k, False, strides), n_expert, k)
 

@@ -221,11 +221,12 @@ def _run_norm(length: int, eps: float):
     """(threads, steps, whole, load, normalize) for RMSNorms of runs of `length` values, a block a run:
     load(x, row, first, values) takes thread tid's values j = tid + u * threads of x[row, first:first + length]
     into registers; normalize(values, weights, weight, partial) loads the thread's weights, then scales its
-    values to x / sqrt(mean(x^2) + eps) * weight (the scale by `_inverse_rms`)."""
+    values to x / sqrt(mean(x^2) + eps) * weight: each thread sums its squares in index order, the block's tree
+    adds the threads'."""
     threads = _threads(length, NORM_THREADS)
     steps = -(-length // threads)
     whole = length % threads == 0
-    inverse_rms = _inverse_rms(length, eps)
+    eps32, length32 = np.float32(eps), np.float32(length)
 
     @cuda.jit(device=True, inline=True)
     def load(x, row, first, values):
@@ -244,61 +245,15 @@ def _run_norm(length: int, eps: float):
             weights[u] = np.float32(0)
             if whole or j < length:
                 weights[u] = weight[j]
-        scale = inverse_rms(values, partial)
+        total = np.float32(0)
+        for u in range(steps):
+            total += values[u] * values[u]
+        partial[tid] = total
+        scale = np.float32(1) / np.float32(math.sqrt(_sum_tree(partial, tid, threads) / length32 + eps32))
         for u in range(steps):
             values[u] = values[u] * scale * weights[u]
 
     return threads, steps, whole, load, normalize
-
-
-@functools.cache
-def _inverse_rms(length: int, eps: float):
-    """inverse_rms(values, partial): 1 / sqrt(mean(x^2) + eps) of a run of `length` values, the first
-    `_threads(length, NORM_THREADS)` threads of the block holding `_run_norm`'s share of them each (the
-    others' values unread): each sums its squares in index order, the block's fixed tree adds the threads'.
-    Every thread of the block calls it and gets the scale."""
-    threads = _threads(length, NORM_THREADS)
-    steps = -(-length // threads)
-    eps32, length32 = np.float32(eps), np.float32(length)
-
-    @cuda.jit(device=True, inline=True)
-    def inverse_rms(values, partial):
-        tid = cuda.threadIdx.x
-        total = np.float32(0)
-        for u in range(steps):
-            total += values[u] * values[u]
-        if tid < threads:
-            partial[tid] = total
-        return np.float32(1) / np.float32(math.sqrt(_sum_tree(partial, tid, threads) / length32 + eps32))
-
-    return inverse_rms
-
-
-@functools.cache
-def row_inverse_rms(length: int, eps: float):
-    """(threads, scale): scale(x, row, partial), for a block of at least `threads` threads (a decode matmul's,
-    whose input the norm is fused into), is the `_run_norm` scale of x[row, :length], computed by the same
-    operations as make_rmsnorm's (so a fused norm's values are bitwise the norm kernel's); partial is a shared
-    float32 array of `threads`. It ends with a barrier, so the next call may reuse partial."""
-    threads = _threads(length, NORM_THREADS)
-    steps = -(-length // threads)
-    whole = length % threads == 0
-    inverse_rms = _inverse_rms(length, eps)
-
-    @cuda.jit(device=True, inline=True)
-    def scale(x, row, partial):
-        tid = cuda.threadIdx.x
-        values = cuda.local.array(steps, np.float32)
-        for u in range(steps):
-            j = tid + u * threads
-            values[u] = np.float32(0)
-            if tid < threads and (whole or j < length):
-                values[u] = x[row, j]
-        result = inverse_rms(values, partial)
-        cuda.syncthreads()      # every thread has read partial[0]
-        return result
-
-    return threads, scale
 
 
 @functools.cache

@@ -14,12 +14,10 @@ first kernel.
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
-from codegen.graph import (ROUTER_OPS, build_pass, launch_members, launched, matrix_weights, nodes_in_order,
-                           representative_layers)
+from codegen.graph import ROUTER_OPS, build_pass, launch_members, launched, nodes_in_order, representative_layers
 from codegen.lower import attention, attention_combine, kv_pages, matmul, moe, pointwise
 from codegen.lower.cuda import cuda
 from codegen.memory import full_pass_offsets, plan_arena
@@ -165,20 +163,18 @@ class _Lowering:
                 member_node = self.graph.nodes[member]
                 w, bias = self.matmul_weights(member_node)
                 args += [w, bias, self.tensors[member]]
-                parts.append(matmul.DecodePart(w.ggml_type, w.shape[-2], len(matrix_weights(member_node)) > 1))
-            launch = matmul.make_qkv_matmul(hp.n_embd, tuple(parts), self.norm_eps(node))
-            return Step(name, launch, (inputs[0], *args, self.norm(node)))
+                parts.append(matmul.DecodePart(w.ggml_type, w.shape[-2], len(member_node["weights"]) > 1))
+            return Step(name, matmul.make_qkv_matmul(hp.n_embd, tuple(parts)), (inputs[0], *args))
         if op == "matmul":      # in place on the residual stream, where there is one: out is its buffer
             w, bias = self.matmul_weights(node)
-            has_bias = len(matrix_weights(node)) > 1
+            has_bias = len(weights) > 1
             launch = matmul.make_matmul(node.get("family", family), w.ggml_type, w.shape[-1], w.shape[-2], has_bias,
-                                        residual=node["inplace"] is not None, norm_eps=self.norm_eps(node))
-            return Step(name, launch, (inputs[0], w, bias, out, self.norm(node)))
+                                        residual=node["inplace"] is not None)
+            return Step(name, launch, (inputs[0], w, bias, out))
         if op == "swiglu_matmul":
             gate, up = self.weight(weights[0]), self.weight(weights[1])
-            launch = matmul.make_swiglu_matmul(family, gate.ggml_type, gate.shape[-1], gate.shape[-2],
-                                               self.norm_eps(node))
-            return Step(name, launch, (inputs[0], gate, up, out, self.norm(node)))
+            launch = matmul.make_swiglu_matmul(family, gate.ggml_type, gate.shape[-1], gate.shape[-2])
+            return Step(name, launch, (inputs[0], gate, up, out))
         if op == "concat":
             a, b = inputs
             return Step(name, pointwise.make_concat(a.shape[1], b.shape[1]), (a, b, out))
@@ -196,10 +192,7 @@ class _Lowering:
             h, groups = inputs
             gate, up = self.weight(weights[0]), self.weight(weights[1])
             launch = moe.make_moe_swiglu_matmul(family, gate.ggml_type, gate.shape[-1], gate.shape[-2],
-                                                   hp.n_expert, hp.n_expert_used, gate.slot_bytes,
-                                                   self.norm_eps(node))
-            if "norm" in node:      # a window's: the prefill ring's batches (lo, hi, tiles) are prefill's only
-                launch = partial(launch, norm=self.norm(node))
+                                                   hp.n_expert, hp.n_expert_used, gate.slot_bytes)
             host_gate, host_up, _ = self.host_experts.get(layer, (gate, up, None))     # none: the slot arrays
             return Step(name, launch, (h, groups, self.expert_slots[layer], gate, up, host_gate, host_up, out))
         if op == "moe_down_matmul":
@@ -230,17 +223,9 @@ class _Lowering:
             return Step(name, attention_combine.make_attention_combine(hp.n_head, hp.head_dim_v), (inputs[0], out))
         raise ValueError(f"no kernel lowers op {op!r} (node {name})")
 
-    def norm_eps(self, node: dict) -> float | None:
-        """The epsilon of the RMSNorm a node applies to its input on the way in; None: it reads it as it is."""
-        return self.hp.rms_eps if "norm" in node else None
-
-    def norm(self, node: dict):
-        """The weight of that norm, or None."""
-        return self.vector(node["norm"]) if "norm" in node else None
-
     def matmul_weights(self, node: dict) -> tuple:
         """(weight, bias or the placeholder) of a matmul node."""
-        weights = matrix_weights(node)
+        weights = node["weights"]
         return self.weight(weights[0]), self.vector(weights[1]) if len(weights) > 1 else self.f32_placeholder
 
     def page_tokens(self, layer: int) -> int:
