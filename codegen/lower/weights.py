@@ -152,7 +152,18 @@ def dequantize(packed: PackedWeight) -> np.ndarray:
 
 def iter_gguf(path, header):
     """(name, PackedWeight) for every tensor of a GGUF file, one at a time (the file is memory-mapped): a
-    model larger than host memory is never held twice."""
+    model larger than host memory is never held twice. A file holding a type no kernel reads is refused here,
+    before any tensor is read (an engine's start, before it allocates)."""
+    unread = [t for t in header.tensors if t.ggml_type not in KERNEL_TYPES]
+    if unread:
+        types = sorted({t.ggml_type.name for t in unread})
+        raise StratumError(f"{len(unread)} of its {len(header.tensors)} tensors are {', '.join(types)}, which no "
+                           f"kernel reads yet (the first: {unread[0].name}); the kernels read "
+                           f"{', '.join(t.name for t in KERNEL_TYPES)}", source=str(path))
+    return _packed_tensors(path, header)
+
+
+def _packed_tensors(path, header):
     file = np.memmap(path, dtype=np.uint8, mode="r")
     for tensor in header.tensors:
         start = header.data_offset + tensor.offset
