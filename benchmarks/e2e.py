@@ -42,9 +42,9 @@ from runtime.synthetic import CARD, realistic_weights, reduced_card
 CONTEXT = 8192
 
 
-def built_weights(layers: int, folder: Path) -> tuple:
+def built_weights(layers: int, folder: Path, card_name: str = CARD) -> tuple:
     """(the card with `layers` blocks, its realistic weights): built once, loaded by every plan a run measures."""
-    card = reduced_card(layers, folder)
+    card = reduced_card(layers, folder, card_name)
     started = time.perf_counter()
     tensors = list(realistic_weights(card, seed=1, skew=1.0))
     print(f"weights built in {time.perf_counter() - started:.0f} s")
@@ -212,6 +212,8 @@ def main():
     parser.add_argument("--plans", nargs="+", default=["h200-141g", "rtx-5070-ti-16g", "rtx-2060-super-8g"])
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--card", default=CARD, help="the bundled model card whose shape and types are built "
+                        f"(default {CARD}; e.g. qwen3-30b-a3b-q4_k_m: Q4_K with Q6_K where llama.cpp puts it)")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="profile the measured request's host time (cProfile) and print its top N functions")
     args = parser.parse_args()
@@ -220,15 +222,16 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        card, tensors = built_weights(args.layers, folder)
+        card, tensors = built_weights(args.layers, folder, args.card)
         for name in args.plans:
-            profile = name if name == "h200-141g" else emulated_profile(name, measured_links, args.layers, folder)
+            profile = name if name == "h200-141g" else emulated_profile(name, measured_links, args.layers, folder,
+                                                                        args.card)
             rows.append(run_plan(name, profile, card, tensors, ceilings, args.prompt_tokens, args.new_tokens, rng,
                                  args.host_profile))
             cuda.current_context().deallocations.clear()
             print_table(rows[-1:])
     print()
-    print(f"{CARD} shape, {args.layers} blocks, prompt {args.prompt_tokens} tokens, {args.new_tokens} new, K/V f16")
+    print(f"{args.card} shape, {args.layers} blocks, prompt {args.prompt_tokens} tokens, {args.new_tokens} new, K/V f16")
     print_table(rows)
 
 

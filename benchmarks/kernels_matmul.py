@@ -338,7 +338,7 @@ def prefill_versions(rng, peak):
 
 def decode_table(rng, bandwidth):
     rows = []
-    for ggml_type in (T.Q8_0, T.Q4_0, T.Q4_K):
+    for ggml_type in (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K):
         for n_out, n_in in DECODE_SHAPES:
             packed = random_packed((n_out, n_in), ggml_type, rng)
             copies = copies_for(packed.nbytes)
@@ -544,7 +544,7 @@ def moe_prefill(rng, peak):
 
 def prefill_table(rng, peak, theoretical):
     rows = []
-    for ggml_type in (T.F32, T.Q8_0, T.Q4_K):
+    for ggml_type in (T.F32, T.Q8_0, T.Q4_K, T.Q6_K):
         for n_out, n_in in PREFILL_SHAPES:
             packed = random_packed((n_out, n_in), ggml_type, rng)
             w = weights.upload(packed)

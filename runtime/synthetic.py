@@ -34,7 +34,7 @@ from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from codegen.lower.weights import Q4_K_HEADER_BYTES, QUANT_BLOCK, PackedWeight, quantize, unpack
-from codegen.lower.weights import check_kernel_type
+from codegen.lower.weights import check_kernel_type, packed_layout
 from planner.architecture import (EXPERT_ROLES, METADATA_KEYS, SUPPORTED_ARCHITECTURES, HParams, hparams_from_metadata,
                                   tensor_layer, tensor_layout, tensor_role)
 from planner.errors import StratumError
@@ -151,12 +151,14 @@ def random_packed(shape, ggml_type, rng: np.random.Generator, std: float | None 
     """Random weights of numpy `shape` (..., n_out, n_in) generated directly in the packed layout (no quantize
     pass: fast for GBs). Values have standard deviation `std` (default 1/sqrt(n_in)): F32/F16/BF16 normal;
     Q8_0 quants uniform in [-127, 127], Q4_0 nibbles uniform, with float16 block scales around that size; Q4_K
-    as `_random_q4_k`."""
+    as `_random_q4_k`, Q6_K as `_random_q6_k`."""
     ggml_type, shape = T(ggml_type), tuple(int(d) for d in shape)
     check_kernel_type(ggml_type, shape)
     std = 1.0 / math.sqrt(shape[-1]) if std is None else std
     if ggml_type == T.Q4_K:
         return _random_q4_k(shape, rng, std)
+    if ggml_type == T.Q6_K:
+        return _random_q6_k(shape, rng, std)
     if ggml_type in (T.F32, T.F16, T.BF16):
         values = rng.standard_normal(shape, dtype=np.float32)
         values *= np.float32(std)
@@ -189,6 +191,21 @@ def _random_q4_k(shape, rng: np.random.Generator, std: float) -> PackedWeight:
     header[:, :4] = np.stack([d, q_mean * d], axis=1).astype(np.float16).view(np.uint8)
     scales = header.view(np.float16).reshape(*shape[:-1], shape[-1] // QUANT_BLOCK)
     return PackedWeight(T.Q4_K, shape, data, scales)
+
+
+def _random_q6_k(shape, rng: np.random.Generator, std: float) -> PackedWeight:
+    """Q6_K of random 6-bit quants q (any bytes of the packed layout are valid) and random int8 run scales sc
+    in [32, 127], each value d * sc * (q - 32); d (within +-25% per block) gives values of standard deviation
+    about `std` (their mean is -0.03 std: q - 32 averages -0.5)."""
+    (data_shape, _), scales_shape = packed_layout(T.Q6_K, shape)
+    n_blocks = math.prod(shape) // GGML_QUANT_SIZES[T.Q6_K][0]
+    data = np.frombuffer(rng.bytes(math.prod(data_shape)), np.uint8).reshape(data_shape).copy()
+    header = np.empty((n_blocks, 18), np.uint8)
+    header[:, :16] = rng.integers(32, 128, (n_blocks, 16), dtype=np.uint8)
+    q_square, sc_square = (64 * 64 - 1) / 12.0 + 0.25, 79.5 ** 2 + (96 * 96 - 1) / 12.0
+    d = rng.uniform(0.75, 1.25, n_blocks) * (std / math.sqrt(q_square * sc_square))
+    header[:, 16:] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    return PackedWeight(T.Q6_K, shape, data, header.view(np.float16).reshape(scales_shape))
 
 
 def realistic_weights(card, seed: int, skew: float = 1.0, types: dict | None = None):
@@ -314,8 +331,8 @@ class _Structure:
         if role in _READERS:
             for column in (dim, dim + self.hp.n_embd) if role == "nextn.eh_proj" else (dim,):
                 _zero_input(packed, column)
-        if role in _WRITERS:
-            packed.data[..., dim, :] = 0x88 if packed.ggml_type == T.Q4_0 else 0     # Q4_0 stores value + 8
+        if role in _WRITERS:      # a quantized row's scales zero (K-quants: its whole headers) zero its values
+            (packed.data if packed.scales is None else packed.scales)[..., dim, :] = 0
         return packed
 
     def _router(self, noise: np.ndarray, layer: int) -> np.ndarray:
@@ -334,13 +351,36 @@ class _Structure:
 
 
 def _zero_input(packed: PackedWeight, column: int) -> None:
-    if packed.ggml_type != T.Q4_0:
-        packed.data[..., column] = 0
-        return
-    block, within = divmod(column, QUANT_BLOCK)          # byte j of a block: element j low, j + 16 high nibble
-    byte = block * (QUANT_BLOCK // 2) + within % (QUANT_BLOCK // 2)
-    keep, zero = (0xF0, 0x08) if within < QUANT_BLOCK // 2 else (0x0F, 0x80)
-    packed.data[..., byte] = (packed.data[..., byte] & keep) | zero
+    """Every row's value at `column` made 0 in place, in the packed layout (`codegen.lower.weights`): its quant
+    set to the one that means 0 (Q4_K: quant 0, and its sub-block's min 0, which lifts that sub-block's other
+    values by their min)."""
+    ggml_type, data = packed.ggml_type, packed.data
+    if ggml_type in (T.Q4_0, T.Q4_K):
+        block, within = divmod(column, QUANT_BLOCK)      # byte j of a (sub-)block: element j low, j + 16 high
+        byte = block * (QUANT_BLOCK // 2) + within % (QUANT_BLOCK // 2)
+        zero = 8 if ggml_type == T.Q4_0 else 0
+        keep, zero = (0xF0, zero) if within < QUANT_BLOCK // 2 else (0x0F, zero << 4)
+        data[..., byte] = (data[..., byte] & keep) | zero
+        if ggml_type == T.Q4_K:
+            _zero_q4_k_min(packed.scales.view(np.uint8)[..., column // 256 * Q4_K_HEADER_BYTES:], block % 8)
+    elif ggml_type == T.Q6_K:
+        chunk, within = divmod(column, 64)               # a chunk's 48 bytes: nibbles of run g, then bit pairs
+        run, b = divmod(within, 16)
+        nibble, bits = chunk * 48 + (run // 2) * 16 + b, chunk * 48 + 32 + b
+        data[..., nibble] &= 0xF0 if run % 2 == 0 else 0x0F
+        data[..., bits] = (data[..., bits] & ~np.uint8(3 << 2 * run)) | np.uint8(2 << 2 * run)     # quant 32
+    else:
+        data[..., column] = 0
+
+
+def _zero_q4_k_min(header: np.ndarray, sub_block: int) -> None:
+    """The 6-bit min of `sub_block` in Q4_K headers (header[..., :16] bytes: d, dmin, 12 packed) set to 0."""
+    j = sub_block
+    if j < 4:
+        header[..., 8 + j] &= 0xC0
+    else:
+        header[..., 8 + j] &= 0x0F
+        header[..., 4 + j] &= 0x3F
 
 
 def top_quarter_share(expert_ids, n_expert: int) -> float:

@@ -190,43 +190,63 @@ def test_decode_dequantizes_extreme_quants(rng, ggml_type):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Q4_K: blocks of 256 values, each 32-value sub-block's values scale * q - min
+# K-quants: blocks of 256 values. Q4_K: each 32-value sub-block's values scale * q - min; Q6_K: each 16-value
+# run's values d * sc * (q - 32), 6-bit quants
 
 
-def random_q4_k(rng, shape):
-    """Q4_K weights of random bytes (every 6-bit scale and min, every nibble), d and dmin 1e-3..1e-2: all of
-    gguf-py's scale unpacking exercised, not only what a quantizer writes."""
-    raw = rng.integers(0, 256, (int(np.prod(shape[:-1])), shape[-1] // 256, 144), dtype=np.uint8)
-    raw[:, :, :4] = rng.uniform(1e-3, 1e-2, raw.shape[:2] + (2,)).astype(np.float16).view(np.uint8)
-    return weights.pack(raw, T.Q4_K, shape)
+def random_k_quant(rng, ggml_type, shape):
+    """Weights of random bytes (Q4_K: every 6-bit scale and min and every nibble; Q6_K: every int8 scale and
+    6-bit quant), d (and dmin) 1e-3..1e-2: all of gguf-py's unpacking exercised, not only what a quantizer
+    writes."""
+    block_bytes, d_at = {T.Q4_K: (144, 0), T.Q6_K: (210, 208)}[ggml_type]
+    raw = rng.integers(0, 256, (int(np.prod(shape[:-1])), shape[-1] // 256, block_bytes), dtype=np.uint8)
+    n_floats = 2 if ggml_type == T.Q4_K else 1
+    raw[:, :, d_at:d_at + 2 * n_floats] = \
+        rng.uniform(1e-3, 1e-2, raw.shape[:2] + (n_floats,)).astype(np.float16).view(np.uint8)
+    return weights.pack(raw, ggml_type, shape)
 
 
-def test_q4_k_packs_its_gguf_bytes_apart_and_back(rng):
-    """The quants reordered by sub-block, the 16-byte headers apart: the bytes the planner counts
-    (`split_bytes`), and unpack gives the GGUF bytes back."""
-    packed = random_q4_k(rng, (3, 512))
-    assert (packed.data.nbytes, packed.scales.nbytes) == split_bytes(T.Q4_K, 3 * 512) == (3 * 2 * 128, 3 * 2 * 16)
-    assert weights.pack(weights.unpack(packed), T.Q4_K, (3, 512)).data.tobytes() == packed.data.tobytes()
+@pytest.mark.parametrize("ggml_type, quant_bytes, header_bytes, code_error",
+                         [(T.Q4_K, 128, 16, 0.1), (T.Q6_K, 192, 18, 0.03)], ids=["Q4_K", "Q6_K"])
+def test_k_quants_pack_their_gguf_bytes_apart_and_back(rng, ggml_type, quant_bytes, header_bytes, code_error):
+    """The quants reordered, the headers apart: the bytes the planner counts (`split_bytes`), and unpack gives
+    the GGUF bytes back."""
+    packed = random_k_quant(rng, ggml_type, (3, 512))
+    assert (packed.data.nbytes, packed.scales.nbytes) == split_bytes(ggml_type, 3 * 512) \
+        == (3 * 2 * quant_bytes, 3 * 2 * header_bytes)
+    raw = weights.unpack(packed)
+    assert weights.pack(raw, ggml_type, (3, 512)).data.tobytes() == packed.data.tobytes()
+    assert np.array_equal(weights.unpack(weights.pack(raw, ggml_type, (3, 512))), raw)
     x = rng.standard_normal((3, 512)).astype(np.float32)
-    assert rel_err(weights.dequantize(weights.quantize(x, T.Q4_K)), x) < 0.1      # a 4-bit code of x
+    assert rel_err(weights.dequantize(weights.quantize(x, ggml_type)), x) < code_error     # a 4- or 6-bit code
 
 
 @pytest.mark.parametrize("family", ["decode", "prefill"])
-def test_q4_k_matmul_and_swiglu_match_reference(rng, family):
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_quant_matmul_and_swiglu_match_reference(rng, family, ggml_type):
     """Against gguf-py's dequantization, a bias and a random-bytes weight; decode: a row alone gives its
     window's bits."""
-    n_in, rows = 256, (3 if family == "decode" else 5)
-    w = random_q4_k(rng, (8, n_in))
+    n_in, rows = 512, (3 if family == "decode" else 5)
+    w = random_k_quant(rng, ggml_type, (8, n_in))
     x = activations(rng, rows, n_in)
     bias = rng.standard_normal(8).astype(np.float32)
-    got = run_matmul(family, T.Q4_K, x, weights.upload(w), bias)
+    got = run_matmul(family, ggml_type, x, weights.upload(w), bias)
     assert rel_err(got, x.astype(np.float64) @ weights.dequantize(w).T + bias) < TOL
     if family == "decode":
-        assert np.array_equal(run_matmul(family, T.Q4_K, x[1:2], weights.upload(w), bias), got[1:2])
-    gate, up = (weights.quantize(rng.standard_normal((8, n_in)).astype(np.float32), T.Q4_K) for _ in range(2))
-    act = run_swiglu(family, T.Q4_K, x, weights.upload(gate), weights.upload(up))
+        assert np.array_equal(run_matmul(family, ggml_type, x[1:2], weights.upload(w), bias), got[1:2])
+    gate, up = (weights.quantize(rng.standard_normal((8, n_in)).astype(np.float32), ggml_type) for _ in range(2))
+    act = run_swiglu(family, ggml_type, x, weights.upload(gate), weights.upload(up))
     want = reference.swiglu(x.astype(np.float64), weights.dequantize(gate), weights.dequantize(up))
     assert rel_err(act, want) < TOL
+
+
+def test_q6_k_prefill_rows_do_not_depend_on_the_chunk_nor_decode_rows_on_the_window(rng):
+    """Q6_K's 12-word chunks and 16-value runs keep both families' invariances."""
+    _, w, _ = packed_weight(rng, T.Q6_K, (12, 256))
+    x = activations(rng, 17, 256)
+    assert_rows_reproduced("prefill", T.Q6_K, x, w, run_matmul("prefill", T.Q6_K, x, w), ((2, 1), (5, 3), (1, 16)))
+    alone = np.concatenate([run_matmul("decode", T.Q6_K, x[r:r + 1], w) for r in range(4)])
+    assert_rows_reproduced("decode", T.Q6_K, x, w, alone, [(0, 4)])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -234,6 +254,7 @@ def test_q4_k_matmul_and_swiglu_match_reference(rng, family):
     (("decode", T.Q4_1, 64, 8, False), "no matmul kernel for Q4_1"),
     (("prefill", T.F32, 40, 8, False), "multiple of 32"),
     (("decode", T.Q4_K, 96, 8, False), "multiple of 256"),
+    (("prefill", T.Q6_K, 128, 8, False), "multiple of 256"),
 ])
 def test_refuses_what_it_cannot_run(args, message):
     with pytest.raises(ValueError, match=message):
@@ -246,8 +267,9 @@ def test_refuses_what_it_cannot_run(args, message):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family, ggml_type", [("decode", T.Q8_0), ("decode", T.Q4_0), ("decode", T.BF16),
-                                               ("decode", T.Q4_K), ("prefill", T.F32), ("prefill", T.Q8_0),
-                                               ("prefill", T.F16), ("prefill", T.Q4_K)],
+                                               ("decode", T.Q4_K), ("decode", T.Q6_K), ("prefill", T.F32),
+                                               ("prefill", T.Q8_0), ("prefill", T.F16), ("prefill", T.Q4_K),
+                                               ("prefill", T.Q6_K)],
                          ids=lambda v: getattr(v, "name", v))
 def test_gpu_real_shape(rng, family, ggml_type):
     """Against the reference; decode windows of 2..5 give each row's bits alone, prefill chunks of 1, 3, 16

@@ -248,9 +248,10 @@ def test_moe_decode_matches_reference_for_any_window(rng):
 
 
 @pytest.mark.parametrize("family", ["decode", "prefill"])
-def test_moe_q4_k_matches_reference(rng, family):
-    """Q4_K experts (rows of one 256-value block), half from slots and half from the host copy."""
-    experts = Experts(rng, T.Q4_K, d_in=256, d_ff=256)
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_moe_k_quant_matches_reference(rng, family, ggml_type):
+    """K-quant experts (rows of one 256-value block), half from slots and half from the host copy."""
+    experts = Experts(rng, ggml_type, d_in=256, d_ff=256)
     x, ids, route_w, residual = moe_inputs(rng, 2, d_in=256)
     check_moe(experts, x, ids, route_w, residual, *experts.run(family, x, ids, route_w, residual))
 

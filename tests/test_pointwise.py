@@ -8,7 +8,7 @@ from gguf.constants import GGMLQuantizationType as T
 from codegen.lower import pointwise, weights
 from codegen.lower.cuda import cuda
 from runtime import reference
-from tests.test_matmul import random_q4_k
+from tests.test_matmul import random_k_quant
 
 TOLERANCE = 1e-5
 EPS = 1e-6
@@ -64,16 +64,17 @@ def check_embed(rng, ggml_type, n_vocab, n_embd, rows):
 
 @pytest.mark.parametrize("ggml_type", weights.KERNEL_TYPES, ids=lambda t: t.name)
 def test_embed_every_type_exact(rng, ggml_type):
-    """(Q4_K: rows of whole 256-value blocks.)"""
-    check_embed(rng, ggml_type, n_vocab=40, n_embd=256 if ggml_type == T.Q4_K else 96, rows=5)
+    """(K-quants: rows of whole 256-value blocks.)"""
+    check_embed(rng, ggml_type, n_vocab=40, n_embd=256 if ggml_type in (T.Q4_K, T.Q6_K) else 96, rows=5)
 
 
-def test_embed_q4_k_of_random_bytes_exact(rng):
-    """Every 6-bit scale and min and every nibble (random bytes): gguf-py's values exactly."""
-    packed = random_q4_k(rng, (12, 512))
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_embed_k_quant_of_random_bytes_exact(rng, ggml_type):
+    """Every scale (and min) and every quant (random bytes): gguf-py's values exactly."""
+    packed = random_k_quant(rng, ggml_type, (12, 512))
     ids = rng.integers(0, 12, 4).astype(np.int32)
     out = cuda.device_array((4, 512), np.float32)
-    pointwise.make_embed(T.Q4_K, 512)(0, cuda.to_device(ids), weights.upload(packed), out)
+    pointwise.make_embed(ggml_type, 512)(0, cuda.to_device(ids), weights.upload(packed), out)
     np.testing.assert_array_equal(out.copy_to_host(), weights.dequantize(packed)[ids].astype(np.float32))
 
 

@@ -140,19 +140,38 @@ def test_random_packed_layouts_and_scale(rng, ggml_type):
     assert abs(weights.dequantize(random_packed(shape, ggml_type, rng, std=2.0)).std() / 2 - 1) < 0.1
 
 
-def test_random_packed_q4_k_has_the_layout_pack_makes_and_the_scale_asked(rng):
+@pytest.mark.parametrize("ggml_type, quant_bytes, header_bytes", [(T.Q4_K, 128, 16), (T.Q6_K, 192, 18)],
+                         ids=["Q4_K", "Q6_K"])
+def test_random_packed_k_quant_has_the_layout_pack_makes_and_the_scale_asked(rng, ggml_type, quant_bytes,
+                                                                              header_bytes):
     shape = (3, 64, 512)
-    packed = random_packed(shape, T.Q4_K, rng)
-    assert (packed.data.shape, packed.data.dtype) == ((3, 64, 256), np.uint8)
-    assert (packed.scales.shape, packed.scales.dtype) == ((3, 64, 16), np.float16)
-    assert packed.nbytes == 3 * 64 * 512 // 256 * 144
+    packed = random_packed(shape, ggml_type, rng)
+    assert (packed.data.shape, packed.data.dtype) == ((3, 64, 2 * quant_bytes), np.uint8)
+    assert (packed.scales.shape, packed.scales.dtype) == ((3, 64, header_bytes), np.float16)
+    assert packed.nbytes == 3 * 64 * 512 // 256 * (quant_bytes + header_bytes)
     values = weights.dequantize(packed) * np.sqrt(512)
     assert abs(values.std() - 1) < 0.1 and abs(values.mean()) < 0.1
 
 
+@pytest.mark.parametrize("ggml_type", [t for t in weights.KERNEL_TYPES], ids=lambda t: t.name)
+def test_the_massive_dimension_is_zeroed_in_the_packed_layout_of_every_type(rng, ggml_type):
+    """What realistic weights reserve for the massive dimension (a reader's column, a writer's row) is exactly 0
+    in gguf-py's values, and its neighbours are not."""
+    hp = load_model("qwen3-30b-a3b-q8_0").hparams
+    structure = synthetic._Structure(hp, seed=seed_of(rng), skew=1.0)
+    dim = structure.massive_dim
+    shape = (4, hp.n_embd)
+    reader = weights.dequantize(structure.reserve("blk.0.attn_q.weight", random_packed(shape, ggml_type, rng)))
+    assert np.all(reader[:, dim] == 0)
+    assert np.any(reader[:, dim - 1] != 0) and np.any(reader[:, (dim + 1) % hp.n_embd] != 0)
+    writer = weights.dequantize(structure.reserve("blk.0.attn_output.weight",
+                                                  random_packed((hp.n_embd, 256), ggml_type, rng)))
+    assert np.all(writer[dim] == 0) and np.any(writer[dim - 1] != 0)
+
+
 def test_random_packed_refuses_what_no_kernel_reads(rng):
-    with pytest.raises(StratumError, match="Q6_K"):
-        random_packed((64, 256), T.Q6_K, rng)
+    with pytest.raises(StratumError, match="Q5_K"):
+        random_packed((64, 256), T.Q5_K, rng)
     with pytest.raises(StratumError, match="whole blocks"):
         random_packed((64, 48), T.Q8_0, rng)
 
@@ -206,13 +225,15 @@ def test_realistic_weights_follow_the_card(tmp_path, rng, architecture):
 
 
 def test_realistic_weights_refuse_a_type_no_kernel_reads(tmp_path):
-    """A card's Q6_K tensor (Q4_K_M files store attn_v so) is refused when it is reached, after the Q4_K one."""
-    card = tmp_path / "tiny-q6_k.yaml"
+    """A card's Q5_K tensor (a Q5_K_M file's default type) is refused when it is reached, after the K-quants the
+    kernels read."""
+    card = tmp_path / "tiny-q5_k.yaml"
     card.write_text(yaml.safe_dump({"name": card.stem, "architecture": "qwen3moe",
                                     "metadata": {**TINY_CARDS["qwen3moe"], "embedding_length": 256},
-                                    "types": {"default": "q8_0", "attn_q": "q4_k", "attn_v": "q6_k"}}))
+                                    "types": {"default": "q8_0", "attn_q": "q4_k", "attn_k": "q6_k",
+                                              "attn_v": "q5_k"}}))
     names = []
-    with pytest.raises(StratumError, match="Q6_K"):
+    with pytest.raises(StratumError, match="Q5_K"):
         for name, _ in realistic_weights(card, seed=0):
             names.append(name)
     assert "blk.0.attn_k.weight" in names and "blk.0.attn_v.weight" not in names

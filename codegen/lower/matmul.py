@@ -64,7 +64,7 @@ def words(weight):
         data, scales = mapped_device_view(weight.data), mapped_device_view(weight.scales)
         check_aligned("a weight", data)
         scales = scales.reshape(-1)
-        if FORMATS[weight.ggml_type].header_bits:      # Q4_K's headers: bits, read by `word_formats`
+        if FORMATS[weight.ggml_type].header_bits:      # K-quant headers: bits, read by `word_formats`
             scales = scales.view(np.uint16)
         made = _words_of[key] = (weakref.ref(weight), (data.reshape(-1).view(np.int32), scales))
         weakref.finalize(weight, _words_of.pop, key, None)
@@ -85,7 +85,7 @@ def silu(g):
 
 MAX_UNROLL = 4
 ROW_VALUES = 4      # weight rows x window rows a lane accumulates, at most: its sums stay in registers
-CHUNK_WORDS = 4     # a lane's chunk of a row: one 16-byte load (`load4`)
+CHUNK_WORDS = 4     # a lane's chunk of a row: one 16-byte load (`load4`), but for Q6_K (`Format.chunk_words`)
 
 
 class DecodeShape(NamedTuple):
@@ -104,7 +104,7 @@ def group_threads(fmt: Format, n_in: int, n_out: int) -> int:
     lanes two rows each (never more than a row has chunks): a short matrix's rows are then read in fewer,
     wider rounds of loads (BENCHMARKS.md's sweep). A function of the matrix alone: a row's sum is then
     computed in the same order whatever window the kernel serves."""
-    chunks = n_in // fmt.vpw // CHUNK_WORDS
+    chunks = fmt.row_words(n_in) // fmt.chunk_words
     tg = 32
     while tg < 128 and tg < chunks and -(-n_out // 2) * tg < LANES_IN_FLIGHT:
         tg *= 2
@@ -133,7 +133,8 @@ def decode_shape(fmt: Format, n_in: int, n_out: int, window: int) -> DecodeShape
     keeps the fuller groups: it runs every thread as a Python thread, and a group's rows leave its sums as
     they are."""
     tg = group_threads(fmt, n_in, n_out)
-    nr = max(2, ROW_VALUES // window)
+    # a lane holds the words of its rows' chunks twice (in flight and applied): Q6_K's 12-word chunks, fewer rows
+    nr = max(1, max(2, ROW_VALUES // window) * CHUNK_WORDS // fmt.chunk_words)
     while not SIMULATOR and nr > 1 and -(-n_out // nr) * tg < 32 * 1024:
         nr //= 2
     return DecodeShape(tg, 256 // tg, nr, 1, window)
@@ -151,30 +152,29 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
       (for the group's lanes to read; a warp's shuffles when tg is 32, else a shared-memory tree).
     A sum's operations depend on (type, n_in, tg) only: every window and row count gives bitwise the same.
 
-    A chunk is 4 words of a row, read in one 16-byte load, and is applied in steps: the words whose values
-    fill whole float4s of x (F32 4 words, F16 2, Q8_0 1; Q4_0 1 word, two float4s, as a word holds values j
-    and j + 16 of its block), each step's x read in 16-byte loads for every window row, then each row's words
-    decoded once and applied to them. A chunk's products go into one sum per (row, window row) in value
-    order, which the block's scale then multiplies.
+    A chunk is 4 words of a row (Q6_K 12), read in 16-byte loads, and is applied in steps (`Format.step`):
+    the words whose values fill whole float4s of x (F32 4 words, F16 2, Q8_0 1; Q4_0 1 word, two float4s, as
+    a word holds values j and j + 16 of its block; Q6_K 3 words, four float4s), each step's x read in 16-byte
+    loads for every window row, then each row's words decoded once and applied to them. A chunk's products go
+    into one sum per (row, window row, run of one scale) in value order, which the run's scale then multiplies.
     """
     if not 1 <= unroll <= MAX_UNROLL:
         raise ValueError(f"unroll {unroll}: 1..{MAX_UNROLL} chunks in flight")
     if not 1 <= window <= MW:
         raise ValueError(f"window {window}: the decode family takes 1..{MW} rows")
     fmt = FORMATS[T(ggml_type)]
-    vpw, wps, decode, elem, block_scale, has_min = fmt.vpw, fmt.wps, fmt.decode, fmt.elem, fmt.scale, fmt.has_min
-    cw = CHUNK_WORDS
-    wpr = n_in // vpw
-    spr = wpr // wps if wps else 0
+    step, step_elem, block_scale, has_min = fmt.step, fmt.step_elem, fmt.scale, fmt.has_min
+    scaled = fmt.block_scales > 0
+    cw, steps, step_values, runs = fmt.chunk_words, fmt.steps, fmt.step_values, fmt.runs
+    wpr, spr = fmt.row_words(n_in), fmt.row_scales(n_in)
     chunks = wpr // cw
     iters = -(-chunks // tg)
     padded = -(-iters // unroll) * unroll
     full = chunks % tg == 0 and iters % unroll == 0
-    nw, m = n_a + n_b, cw * vpw
+    nw, m = n_a + n_b, steps * step_values
     sums = nw * window        # a lane's partial sums, one per (weight row, window row)
-    step_words = max(1, 4 // vpw)
-    steps, step_values = cw // step_words, step_words * vpw
     quads = step_values // 4
+    run_values = m // runs
     levels = tg.bit_length() - 1
 
     @cuda.jit(device=True, inline=True)
@@ -187,7 +187,8 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
             x0 = c * m
             for i in range(nw):
                 for r in range(window):
-                    part[i, r] = np.float32(0)
+                    for g in range(runs):
+                        part[i, r, g] = np.float32(0)
             if has_min:
                 for r in range(window):
                     xsum[r] = np.float32(0)
@@ -196,7 +197,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                     if r < nx:
                         xr = U(xrow[r])
                         for j in range(quads):
-                            quad = load4(x, (xr, U(x0 + elem(t * step_words, 4 * j, vpw))))
+                            quad = load4(x, (xr, U(x0 + step_elem(t, 4 * j))))
                             xs[r, 4 * j] = quad[0]
                             xs[r, 4 * j + 1] = quad[1]
                             xs[r, 4 * j + 2] = quad[2]
@@ -205,21 +206,21 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                             for e in range(step_values):
                                 xsum[r] += xs[r, e]
                 for i in range(nw):
-                    for q in range(step_words):
-                        decode(held[u, i, t * step_words + q], vals, 0, q * vpw)
+                    step(held, u, i, t, vals)
                     for r in range(window):
                         if r < nx:
                             for e in range(step_values):
-                                part[i, r] += vals[0, e] * xs[r, e]
+                                part[i, r, (e // 4) * runs // quads] += vals[0, e] * xs[r, e]
             for i in range(nw):
                 for r in range(window):
                     if r < nx:
-                        if has_min:
-                            acc[i, r] += scale[u, i] * part[i, r] - low[u, i] * xsum[r]
-                        elif wps:
-                            acc[i, r] += scale[u, i] * part[i, r]
-                        else:
-                            acc[i, r] += part[i, r]
+                        for g in range(runs):
+                            if has_min:
+                                acc[i, r] += scale[u, i, g] * part[i, r, g] - low[u, i, g] * xsum[r]
+                            elif scaled:
+                                acc[i, r] += scale[u, i, g] * part[i, r, g]
+                            else:
+                                acc[i, r] += part[i, r, g]
 
     @cuda.jit(device=True, inline=True)
     def fetch(it, wa, sa, wb, sb, woff, lane, held, scale, low):
@@ -229,13 +230,16 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
             if full or c < chunks:
                 for i in range(nw):
                     wsrc, ssrc = (wa, sa) if i < n_a else (wb, sb)
-                    chunk = load4(wsrc, U(woff[i] * wpr + c * cw))
-                    held[u, i, 0] = chunk[0]
-                    held[u, i, 1] = chunk[1]
-                    held[u, i, 2] = chunk[2]
-                    held[u, i, 3] = chunk[3]
-                    if wps:
-                        scale[u, i], low[u, i] = block_scale(ssrc, U(woff[i] * spr), U(c * cw))
+                    for q in range(0, cw, 4):
+                        words4 = load4(wsrc, U(woff[i] * wpr + c * cw + q))
+                        held[u, i, q] = words4[0]
+                        held[u, i, q + 1] = words4[1]
+                        held[u, i, q + 2] = words4[2]
+                        held[u, i, q + 3] = words4[3]
+                    if scaled:
+                        for g in range(runs):
+                            scale[u, i, g], low[u, i, g] = block_scale(ssrc, U(woff[i] * spr),
+                                                                       U(c * m + g * run_values))
 
     @cuda.jit(device=True, inline=True)
     def dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc):
@@ -250,14 +254,14 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                 else:
                     woff[i] = min(row_b + i - n_a, last_b)
             held = cuda.local.array((unroll, nw, cw), np.int32)
-            scale = cuda.local.array((unroll, nw), np.float32)
-            low = cuda.local.array((unroll, nw), np.float32)
+            scale = cuda.local.array((unroll, nw, runs), np.float32)
+            low = cuda.local.array((unroll, nw, runs), np.float32)
             ahead = cuda.local.array((unroll, nw, cw), np.int32)
-            ahead_scale = cuda.local.array((unroll, nw), np.float32)
-            ahead_low = cuda.local.array((unroll, nw), np.float32)
+            ahead_scale = cuda.local.array((unroll, nw, runs), np.float32)
+            ahead_low = cuda.local.array((unroll, nw, runs), np.float32)
             vals = cuda.local.array((1, step_values), np.float32)
             xs = cuda.local.array((window, step_values), np.float32)
-            part = cuda.local.array((nw, window), np.float32)
+            part = cuda.local.array((nw, window, runs), np.float32)
             xsum = cuda.local.array(window, np.float32)
             fetch(0, wa, sa, wb, sb, woff, lane, held, scale, low)
             for it in range(0, padded, unroll):
@@ -277,8 +281,9 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                     for i in range(nw):
                         for q in range(cw):
                             held[u, i, q] = ahead[u, i, q]
-                        scale[u, i] = ahead_scale[u, i]
-                        low[u, i] = ahead_low[u, i]
+                        for g in range(runs):
+                            scale[u, i, g] = ahead_scale[u, i, g]
+                            low[u, i, g] = ahead_low[u, i, g]
 
     @cuda.jit(device=True, inline=True)
     def tree_reduce(red, g, lane, acc, nx):
@@ -449,20 +454,18 @@ def prefill_core(ggml_type, n_in: int, bm: int):
     row_a.. of a, 64..127 rows row_b.. of b, clamped to last_*), over k ascending. A thread's tile rows are
     rr(i) = (i // 4) * (bm // hm) + ty * 4 + i % 4 and columns rr'(j) = (j // 4) * 64 + tx * 4 + j % 4.
 
-    Loads: 4 threads share a tile row's 16-wide k slice (4 floats or 1/4 of its words each), so a thread
-    holds few row addresses (bm / 64 of x, 2 of weights) and its next slice in registers."""
+    Loads: 4 threads share a tile row's 16-wide k slice (4 values each: 4 floats of x, and the words that
+    hold 4 of the weight row's values, `Format.slice_word`), so a thread holds few row addresses (bm / 64 of
+    x, 2 of weights) and its next slice in registers."""
     fmt = FORMATS[T(ggml_type)]
-    vpw, wps, decode, elem, sw, block_scale = fmt.vpw, fmt.wps, fmt.decode, fmt.elem, fmt.slice_words, fmt.scale
-    has_min = fmt.has_min
-    wpr = n_in // vpw
-    spr = wpr // wps if wps else 0
-    span = sw * vpw                 # row values covered by one slice's words (32 for Q4_0, else 16)
-    span_shift = span.bit_length() - 1
+    slice_word, slice_quants, block_scale, has_min = fmt.slice_word, fmt.slice_quants, fmt.scale, fmt.has_min
+    scaled = fmt.block_scales > 0
+    wpr, spr = fmt.row_words(n_in), fmt.row_scales(n_in)
     k_tiles = n_in // BK
     tm = bm // 16
     hm = tm // 4
     xh = bm // 64                   # x rows a thread loads
-    wq = sw // 4                    # words of a weight row a thread loads
+    wq = fmt.slice_words            # words of a weight row a thread loads
     x_held, w_held = 4 * xh, 2 * wq
 
     @cuda.jit(device=True, inline=True)
@@ -470,32 +473,27 @@ def prefill_core(ggml_type, n_in: int, bm: int):
         for h in range(xh):
             for j in range(4):
                 xv[h * 4 + j] = x[U(xr[h]), U(k0 + part * 4 + j)] if xr[h] >= 0 else np.float32(0)
-        word = (k0 >> span_shift) * sw + part * wq
         for h in range(2):
             wsrc, ssrc = (wa, sa) if h == 0 else (wb, sb)
             for q in range(wq):
-                wv[h * wq + q] = wsrc[U(wrow[h] * wpr + word + q)]
-            if wps:
-                sv[h], mv[h] = block_scale(ssrc, U(wrow[h] * spr), U(word))
+                wv[h * wq + q] = wsrc[U(wrow[h] * wpr + slice_word(k0, part, q))]
+            if scaled:
+                sv[h], mv[h] = block_scale(ssrc, U(wrow[h] * spr), U(k0))
 
     @cuda.jit(device=True, inline=True)
     def store(xs, ws, stage, t, part, k0, xv, wv, sv, mv, vals):
         for h in range(xh):
             for j in range(4):
                 xs[stage, U(part * 4 + j), U(h * 64 + t // 4)] = xv[h * 4 + j]
-        word = (k0 >> span_shift) * sw + part * wq
         for h in range(2):
-            for q in range(wq):
-                decode(wv[h * wq + q], vals, 0, 0)
-                for v in range(vpw):
-                    kk = elem(word + q, v, vpw) - k0
-                    if span == BK or 0 <= kk < BK:
-                        value = vals[0, v]
-                        if has_min:     # scale * quant is exact (17 bits times 4): gguf-py's one rounding
-                            value = sv[h] * value - mv[h]
-                        elif wps:
-                            value = sv[h] * value
-                        ws[stage, U(kk), U(h * 64 + t // 4)] = value
+            slice_quants(wv, h * wq, k0, vals)
+            for v in range(4):
+                value = vals[0, v]
+                if has_min:     # scale * quant is exact (17 bits times 4): gguf-py's one rounding
+                    value = sv[h] * value - mv[h]
+                elif scaled:    # gguf-py's one rounding (Q6_K's may round: 19 bits times 6)
+                    value = sv[h] * value
+                ws[stage, U(part * 4 + v), U(h * 64 + t // 4)] = value
 
     @cuda.jit(device=True, inline=True)
     def step(xs, ws, stage, kk, ty, tx, a, b, acc):
@@ -526,7 +524,7 @@ def prefill_core(ggml_type, n_in: int, bm: int):
         wv = cuda.local.array(w_held, np.int32)
         sv = cuda.local.array(2, np.float32)
         mv = cuda.local.array(2, np.float32)
-        vals = cuda.local.array((1, vpw), np.float32)
+        vals = cuda.local.array((1, 4), np.float32)
         a = cuda.local.array(tm, np.float32)
         b = cuda.local.array(8, np.float32)
         # the simulator runs every thread in Python: one whose tile rows are all zero rows (xrows -1, past a

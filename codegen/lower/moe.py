@@ -69,8 +69,7 @@ class ExpertStrides(NamedTuple):
 def expert_strides(ggml_type, n_rows: int, n_in: int, slot_bytes: int) -> ExpertStrides:
     """The strides of experts of n_rows x n_in values; slot_bytes 0: slot arrays as contiguous as the host's."""
     fmt = FORMATS[T(ggml_type)]
-    row_words = n_in // fmt.vpw
-    host = (n_rows * row_words, n_rows * row_words // fmt.wps if fmt.wps else 0)
+    host = (n_rows * fmt.row_words(n_in), n_rows * fmt.row_scales(n_in))
     slot = (slot_bytes // 4, slot_bytes // 2) if slot_bytes else host
     return ExpertStrides(*slot, *host)
 

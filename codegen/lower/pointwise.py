@@ -16,8 +16,7 @@ import math
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import better, bits_to_f32, cuda, launch_kernel, warp_sum
-from codegen.lower.weights import QUANT_BLOCK
+from codegen.lower.cuda import better, cuda, launch_kernel, warp_sum
 from codegen.lower.word_formats import FORMATS
 
 WARP = 32
@@ -95,95 +94,21 @@ def _sigmoid(x):
 # embedding
 
 
-@cuda.jit(device=True, inline=True)
-def _load_float(data, scales, token, item, words_per_block):
-    return np.float32(data[token, item]), np.float32(1), np.float32(0)
-
-
-@cuda.jit(device=True, inline=True)
-def _load_bf16(data, scales, token, item, words_per_block):
-    signed = (np.int32(data[token, item]) ^ np.int32(0x8000)) - np.int32(0x8000)   # the high half, signed
-    return bits_to_f32(np.int32(signed * np.int32(0x10000))), np.float32(1), np.float32(0)
-
-
-@cuda.jit(device=True, inline=True)
-def _load_word(data, scales, token, item, words_per_block):
-    return data[token, item], np.float32(scales[token, item // words_per_block]), np.float32(0)
-
-
-_q4_k_scale = FORMATS[T.Q4_K].scale
-
-
-@cuda.jit(device=True, inline=True)
-def _load_q4_k(data, scales, token, item, words_per_block):
-    scale, low = _q4_k_scale(scales[token], 0, item)
-    return data[token, item], scale, low
-
-
-@cuda.jit(device=True, inline=True)
-def _write_value(out, row, item, value, scale, low):
-    out[row, item] = value
-
-
-@cuda.jit(device=True, inline=True)
-def _byte(word, i):
-    return (word >> (8 * i)) & 0xFF
-
-
-@cuda.jit(device=True, inline=True)
-def _write_q8_0(out, row, w, word, scale, low):
-    """Word w of a Q8_0 row: elements 4w..4w+3, signed bytes."""
-    for i in range(4):
-        byte = _byte(word, i)
-        out[row, 4 * w + i] = scale * np.float32(byte - ((byte & 0x80) << 1))
-
-
-@cuda.jit(device=True, inline=True)
-def _write_q4_0(out, row, w, word, scale, low):
-    """Word w of a Q4_0 row: bytes 4(w % 4)..+3 of block w // 4; byte j holds element j (low nibble) and
-    j + 16 (high), stored value + 8."""
-    first = (w // 4) * 32 + (w % 4) * 4
-    for i in range(4):
-        byte = _byte(word, i)
-        out[row, first + i] = scale * np.float32((byte & 0xF) - 8)
-        out[row, first + 16 + i] = scale * np.float32((byte >> 4) - 8)
-
-
-@cuda.jit(device=True, inline=True)
-def _write_q4_k(out, row, w, word, scale, low):
-    """Word w of a Q4_K row: its sub-block's bytes as Q4_0 holds them, unsigned; value scale * q - min
-    (scale * q exact: gguf-py's one rounding)."""
-    first = (w // 4) * 32 + (w % 4) * 4
-    for i in range(4):
-        byte = _byte(word, i)
-        out[row, first + i] = scale * np.float32(byte & 0xF) - low
-        out[row, first + 16 + i] = scale * np.float32(byte >> 4) - low
-
-
-# per type: elements per item a thread loads (a value, or a 32-bit word of quants), what it holds, its loader
-# and writer
-_EMBED_ITEMS = {
-    T.F32: (1, np.float32, _load_float, _write_value),
-    T.F16: (1, np.float32, _load_float, _write_value),
-    T.BF16: (1, np.float32, _load_bf16, _write_value),
-    T.Q8_0: (4, np.int32, _load_word, _write_q8_0),
-    T.Q4_0: (8, np.int32, _load_word, _write_q4_0),
-    T.Q4_K: (8, np.int32, _load_q4_k, _write_q4_k),
-}
-
-
 @functools.cache
 def make_embed(ggml_type, n_embd: int):
-    """launch(stream, ids, table, out): out[r] = the dequantized row ids[r] of `table` (a DeviceWeight of
-    F32/F16/BF16/Q8_0/Q4_0/Q4_K, (n_vocab, n_embd)), exactly `weights.dequantize`'s values (all exact in float32).
-    Quants are read as 32-bit words. Each thread issues all its loads before its first store."""
+    """launch(stream, ids, table, out): out[r] = the dequantized row ids[r] of `table` (a DeviceWeight of any
+    type the matmuls read, (n_vocab, n_embd)), exactly `weights.dequantize`'s values (scale times quant, less
+    the min: gguf-py's roundings). A thread takes runs of 4 values, reading the words that hold them as the
+    prefill family does (`Format.slice_word`); it issues all its loads before its first store."""
     ggml_type = T(ggml_type)
-    if ggml_type not in _EMBED_ITEMS:
+    if ggml_type not in FORMATS:
         raise ValueError(f"no embedding kernel for {ggml_type.name}")
-    per_item, held_type, load, write = _EMBED_ITEMS[ggml_type]
-    quantized = per_item > 1
-    items = n_embd // per_item
-    words_per_block = QUANT_BLOCK // per_item
+    fmt = FORMATS[ggml_type]
+    slice_word, slice_quants, block_scale, has_min = fmt.slice_word, fmt.slice_quants, fmt.scale, fmt.has_min
+    scaled, held_words = fmt.block_scales > 0, fmt.slice_words
+    if n_embd % 16:
+        raise ValueError(f"an embedding of {n_embd} values: the kernel reads whole slices of 16")
+    items = n_embd // 4
     threads = _threads(items, EMBED_THREADS)
     steps = -(-items // threads)
     whole = items % threads == 0
@@ -193,21 +118,32 @@ def make_embed(ggml_type, n_embd: int):
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         token = ids[row]
-        held = cuda.local.array(steps, held_type)
+        held = cuda.local.array(steps * held_words, np.int32)
         scale = cuda.local.array(steps, np.float32)
         low = cuda.local.array(steps, np.float32)
+        vals = cuda.local.array((1, 4), np.float32)
         for u in range(steps):
             item = tid + u * threads
             if whole or item < items:
-                held[u], scale[u], low[u] = load(data, scales, token, item, words_per_block)
+                for q in range(held_words):
+                    held[u * held_words + q] = data[token, slice_word((item >> 2) << 4, item & 3, q)]
+                if scaled:
+                    scale[u], low[u] = block_scale(scales[token], 0, 4 * item)
         for u in range(steps):
             item = tid + u * threads
             if whole or item < items:
-                write(out, row, item, held[u], scale[u], low[u])
+                slice_quants(held, u * held_words, (item >> 2) << 4, vals)
+                for v in range(4):
+                    value = vals[0, v]
+                    if has_min:
+                        value = scale[u] * value - low[u]
+                    elif scaled:
+                        value = scale[u] * value
+                    out[row, 4 * item + v] = value
 
     def launch(stream, ids, table, out):
-        data = table.data.view(np.int32) if quantized else table.data
-        scales = table.scales.view(np.uint16) if FORMATS[ggml_type].header_bits else table.scales
+        data = table.data.view(np.int32)
+        scales = table.scales.view(np.uint16) if fmt.header_bits else table.scales
         launch_kernel(kernel, ids.shape[0], threads, stream, ids, data, scales, out)
     return launch
 

@@ -18,6 +18,12 @@ Layouts, in numpy order (leading dims such as `n_expert` first, then rows = outp
                                                of the same 32 bytes), unsigned; scales (..., n_out, n_in // 32)
                                                float16-sized: each 256-value block's 16 header bytes as stored
                                                (d, dmin, the 12 bytes of 6-bit sub-block scales and mins)
+  Q6_K  data uint8   (..., n_out, 3 * n_in // 4)   each 64 values v = 0..63 of a 256-value block in 48 bytes:
+                                               byte b < 16 holds v = b and 16 + b (low 4 bits; low, high
+                                               nibble), byte 16 + b v = 32 + b and 48 + b, byte 32 + b the
+                                               high 2 bits of v = b, 16 + b, 32 + b, 48 + b (bits 0-1 .. 6-7),
+                                               quants unsigned (value + 32); scales (..., n_out, 9 * n_in // 256)
+                                               float16-sized: each block's 16 int8 run scales, then d, as stored
 """
 
 from dataclasses import dataclass
@@ -27,12 +33,13 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from planner.errors import StratumError
-from planner.model import SCALE_BYTES, SCALES_APART
+from planner.model import SCALE_BYTES, SCALES_APART, split_bytes
 
-KERNEL_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K)
+KERNEL_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
 _FLOAT_DTYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}
 QUANT_BLOCK = 32     # elements per Q8_0 / Q4_0 block, and per Q4_K sub-block: what a scale covers
 Q4_K_HEADER_BYTES = 16  # a Q4_K block's d, dmin (float16) and 12 bytes of 6-bit sub-block scales and mins
+HEADER_AT_END = (T.Q6_K,)   # GGUF stores these types' scales after their quants, the others' before
 
 
 @dataclass(frozen=True)
@@ -69,16 +76,16 @@ def pack(raw: np.ndarray, ggml_type: T, shape: tuple) -> PackedWeight:
     if ggml_type in _FLOAT_DTYPES:
         return PackedWeight(ggml_type, shape, raw_bytes.view(_FLOAT_DTYPES[ggml_type]).reshape(shape).copy(), None)
     blocks = raw_bytes.reshape(-1, type_size)
+    (data_shape, data_dtype), scales_shape = packed_layout(ggml_type, shape)
     header = SCALE_BYTES[ggml_type]
-    scales = blocks[:, :header].copy().view(np.float16).reshape(*shape[:-1], shape[-1] // QUANT_BLOCK)
-    quants_bytes = blocks[:, header:]
-    if ggml_type == T.Q8_0:
-        data = quants_bytes.reshape(-1).view(np.int8).reshape(shape).copy()
-    elif ggml_type == T.Q4_K:
-        data = _q4_k_sub_blocks(quants_bytes).reshape(*shape[:-1], shape[-1] // 2)
-    else:
-        data = quants_bytes.reshape(*shape[:-1], shape[-1] // 2).copy()
-    return PackedWeight(ggml_type, shape, data, scales)
+    at = type_size - header if ggml_type in HEADER_AT_END else 0
+    scales = blocks[:, at:at + header].copy().view(np.float16).reshape(scales_shape)
+    quants_bytes = np.delete(blocks, np.s_[at:at + header], axis=1)
+    if ggml_type == T.Q4_K:
+        quants_bytes = _q4_k_sub_blocks(quants_bytes)
+    elif ggml_type == T.Q6_K:
+        quants_bytes = _q6_k_chunks(_q6_k_quants(quants_bytes))
+    return PackedWeight(ggml_type, shape, quants_bytes.reshape(-1).view(data_dtype).reshape(data_shape).copy(), scales)
 
 
 def _q4_k_sub_blocks(quants_bytes: np.ndarray) -> np.ndarray:
@@ -96,6 +103,43 @@ def _q4_k_groups(data: np.ndarray) -> np.ndarray:
     return (values[:, :, 0] | (values[:, :, 1] << 4)).reshape(-1, 128)
 
 
+def _q6_k_quants(quants_bytes: np.ndarray) -> np.ndarray:
+    """(blocks, 256) unsigned 6-bit quants of Q6_K blocks' ql and qh bytes as GGUF stores them (gguf-py's
+    Q6_K.dequantize_blocks: value 128h + 64s + b has the nibble s of ql byte 64h + b; value 128h + 32s + j
+    the bits 2s, 2s + 1 of qh byte 32h + j)."""
+    ql, qh = quants_bytes[:, :128], quants_bytes[:, 128:]
+    low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0xF
+    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    return low.reshape(-1, 256) | (high.reshape(-1, 256) << 4)
+
+
+def _q6_k_gguf(quants: np.ndarray) -> np.ndarray:
+    """`_q6_k_quants`' inverse: (blocks, 192) ql and qh bytes."""
+    low = (quants & 0xF).reshape(-1, 2, 2, 64)
+    ql = low[:, :, 0] | (low[:, :, 1] << 4)
+    high = (quants >> 4).reshape(-1, 2, 4, 32)
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64)], axis=1)
+
+
+def _q6_k_chunks(quants: np.ndarray) -> np.ndarray:
+    """(blocks, 256) 6-bit quants -> (blocks, 192) bytes in the kernels' layout (module doc)."""
+    runs = quants.reshape(-1, 4, 4, 16)                    # [block, chunk, run of 16 values, b]
+    low, high = runs & 0xF, runs >> 4
+    nibbles = np.concatenate([low[:, :, 0] | (low[:, :, 1] << 4), low[:, :, 2] | (low[:, :, 3] << 4)], axis=2)
+    bits = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    return np.concatenate([nibbles, bits], axis=2).reshape(-1, 192)
+
+
+def _q6_k_from_chunks(data: np.ndarray) -> np.ndarray:
+    """`_q6_k_chunks`' inverse."""
+    chunks = data.reshape(-1, 4, 48)
+    a, b, bits = chunks[:, :, :16], chunks[:, :, 16:32], chunks[:, :, 32:]
+    low = np.stack([a & 0xF, a >> 4, b & 0xF, b >> 4], axis=2)
+    high = np.stack([(bits >> s) & 3 for s in (0, 2, 4, 6)], axis=2)
+    return (low | (high << 4)).reshape(-1, 256)
+
+
 def unpack(packed: PackedWeight) -> np.ndarray:
     """The GGUF bytes back (uint8, rows of the GGUF row size): `pack`'s inverse."""
     if packed.scales is None:
@@ -105,18 +149,37 @@ def unpack(packed: PackedWeight) -> np.ndarray:
     quants_bytes = packed.data.reshape(n_blocks, -1).view(np.uint8)
     if packed.ggml_type == T.Q4_K:
         quants_bytes = _q4_k_groups(quants_bytes)
+    elif packed.ggml_type == T.Q6_K:
+        quants_bytes = _q6_k_gguf(_q6_k_from_chunks(quants_bytes))
     headers = packed.scales.reshape(n_blocks, -1).view(np.uint8)
-    return np.concatenate([headers, quants_bytes], axis=1).reshape(-1)
+    parts = [quants_bytes, headers] if packed.ggml_type in HEADER_AT_END else [headers, quants_bytes]
+    return np.concatenate(parts, axis=1).reshape(-1)
 
 
 def quantize(values: np.ndarray, ggml_type: T) -> PackedWeight:
     """Float values quantized as gguf-py (bit-exact with ggml) does, then packed: how tests make weights.
-    gguf-py cannot quantize Q4_K: `quantize_q4_k` does."""
+    gguf-py cannot quantize the K-quants: `quantize_q4_k` and `quantize_q6_k` do."""
     ggml_type = T(ggml_type)
     values = np.ascontiguousarray(values, dtype=np.float32)
     check_kernel_type(ggml_type, values.shape)
-    raw = quantize_q4_k(values) if ggml_type == T.Q4_K else quants.quantize(values, ggml_type)
+    quantizer = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}.get(ggml_type)
+    raw = quantizer(values) if quantizer else quants.quantize(values, ggml_type)
     return pack(raw, ggml_type, values.shape)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """GGUF Q6_K bytes of float values (rows of whole 256-value blocks): each 16-value run's step max|x| / 31
+    as an int8 multiple of the block's d, each quant rounded into [-32, 31]. A plain rounding, not llama.cpp's
+    search: any valid Q6_K bytes serve the kernels' tests."""
+    runs = values.reshape(-1, 16, 16).astype(np.float64)
+    step = np.abs(runs).max(axis=2) / 31
+    d = (step.max(axis=1) / 127).astype(np.float16)
+    sc = np.clip(np.round(step / np.maximum(d.astype(np.float64), 1e-30)[:, None]), 0, 127).astype(np.int8)
+    step_q = d.astype(np.float64)[:, None] * sc
+    q = np.clip(np.round(runs / np.maximum(step_q, 1e-30)[:, :, None]), -32, 31) + 32
+    raw = np.concatenate([_q6_k_gguf(q.astype(np.uint8).reshape(-1, 256)), sc.view(np.uint8),
+                          d.reshape(-1, 1).view(np.uint8)], axis=1)
+    return raw.reshape(*values.shape[:-1], -1)
 
 
 def quantize_q4_k(values: np.ndarray) -> np.ndarray:
@@ -184,10 +247,11 @@ def packed_layout(ggml_type, shape: tuple) -> tuple:
     check_kernel_type(ggml_type, shape)
     if ggml_type in _FLOAT_DTYPES:
         return (shape, np.dtype(_FLOAT_DTYPES[ggml_type])), None
-    scales = (*shape[:-1], shape[-1] // QUANT_BLOCK)
+    quant_bytes, scale_bytes = split_bytes(ggml_type, shape[-1])
+    scales = (*shape[:-1], scale_bytes // 2)
     if ggml_type == T.Q8_0:
         return (shape, np.dtype(np.int8)), scales
-    return ((*shape[:-1], shape[-1] // 2), np.dtype(np.uint8)), scales
+    return ((*shape[:-1], quant_bytes), np.dtype(np.uint8)), scales
 
 
 def placeholder_scales(data):
