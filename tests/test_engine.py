@@ -187,6 +187,22 @@ def test_bad_requests_are_refused_and_the_engine_stays_usable(folder, model, rng
     assert out.tokens == [int(np.argmax(want))]
 
 
+def test_k_quant_weights_give_the_references_greedy_tokens(folder, tmp_path, rng):
+    """A model with a Q4_K_M file's types where its rows allow (K-quant rows are whole 256-value blocks: the
+    attention output in Q4_K, the routed experts' down projections in Q6_K), 6 of its 8 experts only in the
+    host copy: the reference's greedy tokens and logits."""
+    model = write_model(tmp_path / "k-quants.gguf", "qwen3moe", seed=7, n_trunk=1, n_head=4, n_head_kv=2,
+                        head_dim=64, n_ff_exp=256, types={"attn_output": "q4_k", "ffn_down_exps": "q6_k"})
+    plan = plan_for(folder, model, 1300)
+    assert plan.knobs["expert_cache_slots"][0] == 2
+    prompt = rng.integers(0, 96, size=5).tolist()
+    with Engine(plan, model, progress=False) as engine:
+        out = engine.generate(prompt, max_new_tokens=2, return_logits=True)
+    want = reference.forward(model, prompt + out.tokens[:-1])[len(prompt) - 1:]
+    assert out.tokens == [int(np.argmax(row)) for row in want]
+    assert np.linalg.norm(out.logits - want) / np.linalg.norm(want) < 1e-4
+
+
 def test_a_file_with_a_type_no_kernel_reads_is_refused_before_anything_is_allocated(tmp_path, monkeypatch):
     """A Q5_K_M-like file's Q5_K tensors (a Q4_K_M card with Q5_K where it has Q6_K; here a partial
     download's header: its data is never read)."""
