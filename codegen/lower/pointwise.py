@@ -112,13 +112,14 @@ def make_embed(ggml_type, n_embd: int):
     threads = _threads(items, EMBED_THREADS)
     steps = -(-items // threads)
     whole = items % threads == 0
+    held_size = steps * held_words      # a local array's size must be a constant, not an expression
 
     @cuda.jit
     def kernel(ids, data, scales, out):
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         token = ids[row]
-        held = cuda.local.array(steps * held_words, np.int32)
+        held = cuda.local.array(held_size, np.int32)
         scale = cuda.local.array(steps, np.float32)
         low = cuda.local.array(steps, np.float32)
         vals = cuda.local.array((1, 4), np.float32)
