@@ -1,4 +1,4 @@
-# run 44 (2026-12-06, a later session): the lent machine is an H100 now, and every prediction so far was priced
+# run 44 (prepared 2026-12-06, not yet run: no device time left): the lent machine is an H100 now, and every prediction so far was priced
 # with the H200's profile. A full detect here (the candidate plans/hardware/h100-80g.yaml), then validate for the
 # Qwen shape against it at three budgets in the time left. Everything comes back as $OUT/run44.tar.gz.
 export NUMBA_ENABLE_CUDASIM=0 STRATUM_KERNEL_CACHE=/tmp/kc
