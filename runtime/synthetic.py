@@ -38,7 +38,7 @@ from codegen.lower.weights import check_kernel_type, packed_layout
 from planner.architecture import (EXPERT_ROLES, METADATA_KEYS, SUPPORTED_ARCHITECTURES, HParams, hparams_from_metadata,
                                   tensor_layer, tensor_layout, tensor_role)
 from planner.errors import StratumError
-from planner.model import load_model
+from planner.model import SCALE_BYTES, load_model
 from plans import MODELS_DIR
 
 # shape keyword -> (metadata keys without the '<arch>.' prefix, GGUF value kind), from the planner's own table
@@ -200,7 +200,7 @@ def _random_q6_k(shape, rng: np.random.Generator, std: float) -> PackedWeight:
     (data_shape, _), scales_shape = packed_layout(T.Q6_K, shape)
     n_blocks = math.prod(shape) // GGML_QUANT_SIZES[T.Q6_K][0]
     data = np.frombuffer(rng.bytes(math.prod(data_shape)), np.uint8).reshape(data_shape).copy()
-    header = np.empty((n_blocks, 18), np.uint8)
+    header = np.empty((n_blocks, SCALE_BYTES[T.Q6_K]), np.uint8)
     header[:, :16] = rng.integers(32, 128, (n_blocks, 16), dtype=np.uint8)
     q_square, sc_square = (64 * 64 - 1) / 12.0 + 0.25, 79.5 ** 2 + (96 * 96 - 1) / 12.0
     d = rng.uniform(0.75, 1.25, n_blocks) * (std / math.sqrt(q_square * sc_square))

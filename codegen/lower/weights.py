@@ -80,12 +80,12 @@ def pack(raw: np.ndarray, ggml_type: T, shape: tuple) -> PackedWeight:
     header = SCALE_BYTES[ggml_type]
     at = type_size - header if ggml_type in HEADER_AT_END else 0
     scales = blocks[:, at:at + header].copy().view(np.float16).reshape(scales_shape)
-    quants_bytes = np.delete(blocks, np.s_[at:at + header], axis=1)
+    quants_bytes = np.delete(blocks, np.s_[at:at + header], axis=1)     # a new array: the one copy
     if ggml_type == T.Q4_K:
         quants_bytes = _q4_k_sub_blocks(quants_bytes)
     elif ggml_type == T.Q6_K:
         quants_bytes = _q6_k_chunks(_q6_k_quants(quants_bytes))
-    return PackedWeight(ggml_type, shape, quants_bytes.reshape(-1).view(data_dtype).reshape(data_shape).copy(), scales)
+    return PackedWeight(ggml_type, shape, quants_bytes.reshape(-1).view(data_dtype).reshape(data_shape), scales)
 
 
 def _q4_k_sub_blocks(quants_bytes: np.ndarray) -> np.ndarray:

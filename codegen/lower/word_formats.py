@@ -96,31 +96,24 @@ def _nibbles(offset: int):
 
 
 
-def _low_nibbles(offset: int):
-    """The decoder of a word's 4 low nibbles (bits 0, 8, 16, 24), stored as quant + offset: vals = those 4."""
-    n0, n8, n12, n16 = (_field(p, 4, offset) for p in (0, 8, 12, 16))
+def _byte_fields(width: int, offset: int):
+    """The decoder of a word's 4 byte-aligned fields of `width` <= 7 bits (bits 0, 8, 16 in place, 24 after one
+    shift), each stored as quant + offset: vals = those 4. Q4_0 and Q4_K slices read their low nibbles so,
+    Q6_K its assembled 6-bit quants."""
+    f0, f8, f16 = (_field(p, width, offset) for p in (0, 8, 16))
 
     @cuda.jit(device=True, inline=True)
     def decode(word, vals, i, base):
-        vals[i, base] = bits_to_f32((word & n0[0]) | n0[1]) - n0[2]
-        vals[i, base + 1] = bits_to_f32((word & n8[0]) | n8[1]) - n8[2]
-        vals[i, base + 2] = bits_to_f32((word & n16[0]) | n16[1]) - n16[2]
-        vals[i, base + 3] = bits_to_f32(((word >> np.int32(12)) & n12[0]) | n12[1]) - n12[2]
+        vals[i, base] = bits_to_f32((word & f0[0]) | f0[1]) - f0[2]
+        vals[i, base + 1] = bits_to_f32((word & f8[0]) | f8[1]) - f8[2]
+        vals[i, base + 2] = bits_to_f32((word & f16[0]) | f16[1]) - f16[2]
+        vals[i, base + 3] = bits_to_f32(((word >> np.int32(16)) & f8[0]) | f8[1]) - f8[2]
     return decode
 
 
-# Q6_K: a word's 4 bytes each a 6-bit quant + 32 (bits 0, 8 and 16 in place, 24 after one shift)
-_S0, _S8, _S16 = (_field(p, 6, 32) for p in (0, 8, 16))
+_six_bits = _byte_fields(6, 32)     # Q6_K: each byte a 6-bit quant + 32
 _LOW_NIBBLES = np.int32(0x0F0F0F0F)
 _TWO_BITS = np.int32(0x03030303)
-
-
-@cuda.jit(device=True, inline=True)
-def _six_bits(word, vals, base):
-    vals[0, base] = bits_to_f32((word & _S0[0]) | _S0[1]) - _S0[2]
-    vals[0, base + 1] = bits_to_f32((word & _S8[0]) | _S8[1]) - _S8[2]
-    vals[0, base + 2] = bits_to_f32((word & _S16[0]) | _S16[1]) - _S16[2]
-    vals[0, base + 3] = bits_to_f32(((word >> np.int32(16)) & _S8[0]) | _S8[1]) - _S8[2]
 
 
 @cuda.jit(device=True, inline=True)
@@ -240,7 +233,7 @@ def _word_format(vpw: int, decode, elem, block_values: int, block_words: int, bl
             for q in range(step_words):
                 decode(wv[base + q], vals, 0, q * vpw)
     else:
-        low = _low_nibbles(nibble_offset)
+        low = _byte_fields(4, nibble_offset)
 
         @cuda.jit(device=True, inline=True)
         def slice_word(k0, part, q):
@@ -260,10 +253,10 @@ def _q6_k_step(held, u, i, t, vals):
     word t, its high nibbles, word 4 + t's low and high nibbles, with word 8 + t's bit pairs 0-1, 2-3, 4-5, 6-7
     of each byte above them."""
     a, b, h = held[u, i, t], held[u, i, 4 + t], held[u, i, 8 + t]
-    _six_bits((a & _LOW_NIBBLES) | ((h & _TWO_BITS) << np.int32(4)), vals, 0)
-    _six_bits(((a >> np.int32(4)) & _LOW_NIBBLES) | ((h & np.int32(0x0C0C0C0C)) << np.int32(2)), vals, 4)
-    _six_bits((b & _LOW_NIBBLES) | (h & np.int32(0x30303030)), vals, 8)
-    _six_bits(((b >> np.int32(4)) & _LOW_NIBBLES) | ((h >> np.int32(2)) & np.int32(0x30303030)), vals, 12)
+    _six_bits((a & _LOW_NIBBLES) | ((h & _TWO_BITS) << np.int32(4)), vals, 0, 0)
+    _six_bits(((a >> np.int32(4)) & _LOW_NIBBLES) | ((h & np.int32(0x0C0C0C0C)) << np.int32(2)), vals, 0, 4)
+    _six_bits((b & _LOW_NIBBLES) | (h & np.int32(0x30303030)), vals, 0, 8)
+    _six_bits(((b >> np.int32(4)) & _LOW_NIBBLES) | ((h >> np.int32(2)) & np.int32(0x30303030)), vals, 0, 12)
 
 
 @cuda.jit(device=True, inline=True)
@@ -281,7 +274,7 @@ def _q6_k_slice_word(k0, part, q):
 def _q6_k_slice_quants(wv, base, k0, vals):
     g = (k0 >> 4) & 3
     nibbles = (wv[base] >> np.int32(4 * (g & 1))) & _LOW_NIBBLES
-    _six_bits(nibbles | (((wv[base + 1] >> np.int32(2 * g)) & _TWO_BITS) << np.int32(4)), vals, 0)
+    _six_bits(nibbles | (((wv[base + 1] >> np.int32(2 * g)) & _TWO_BITS) << np.int32(4)), vals, 0, 0)
 
 
 FORMATS = {
