@@ -79,7 +79,10 @@ else:
 
 if SIMULATOR:
     def load4(array, index):
-        """Elements index..index + 3 of `array`'s last axis (index: an integer, or a tuple for a 2-D array)."""
+        """Elements index..index + 3 of `array`'s last axis (index: an integer, or a tuple for a 2-D array); of a
+        uint16 array, its 16 bytes from element index as 4 int32 words."""
+        if array.dtype == np.uint16:
+            return tuple(np.array([array[index + k] for k in range(8)], np.uint16).view(np.int32))
         if isinstance(index, tuple):
             row, first = index
             return array[row, first], array[row, first + 1], array[row, first + 2], array[row, first + 3]
@@ -95,15 +98,19 @@ else:
         """Elements index..index + 3 of `array`'s last axis (an int32 or float32 array; index: an integer, or a
         tuple for a 2-D array) as a 4-tuple, in one 16-byte load through the read-only cache
         (`ld.global.nc.v4`): numba's indexing emits 4-byte loads only, so a lane would need four loads in
-        flight for the same bytes. The first element's address must be a multiple of 16 bytes (a misaligned
-        address stops the kernel with a CUDA error; it never reads a wrong value)."""
-        element = array.dtype
+        flight for the same bytes. Of a uint16 array (K-quant headers), the 16 bytes from element index as 4
+        int32 words (elements 2k and 2k + 1 the low and high half of word k): one load, not 8 two-byte loads
+        whose 64-bit addresses the compiler would keep in registers. The first element's address must be a
+        multiple of 16 bytes (a misaligned address stops the kernel with a CUDA error; it never reads a wrong
+        value)."""
+        element = _numba_types.int32 if array.dtype == _numba_types.uint16 else array.dtype
         signature = _numba_types.UniTuple(element, 4)(array, index)
 
         def codegen(context, builder, sig, args):
             array_type, index_type = sig.args
             array_value, indices = args
-            index_type, indices = _normalize_indices(context, builder, index_type, indices, array_type, element)
+            index_type, indices = _normalize_indices(context, builder, index_type, indices, array_type,
+                                                     array_type.dtype)
             struct = context.make_array(array_type)(context, builder, value=array_value)
             pointer = _cgutils.get_item_pointer(context, builder, array_type, struct, indices, wraparound=False)
             value_type = context.get_value_type(element)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import bits_to_f32, cuda, f32_to_bits
+from codegen.lower.cuda import bits_to_f32, cuda, f32_to_bits, load4
 
 _F16_SCALE = np.float32(2.0 ** 112)     # f16 bits << 13 read as float32, times this, is the f16 value
 _HIGH_HALF = np.int32(-65536)           # 0xFFFF0000
@@ -146,20 +146,21 @@ def _header_byte(header, base, k):
 @cuda.jit(device=True, inline=True)
 def _q4_k_scale(header, start, value):
     """(d * sc, dmin * m) of the value's 32-value sub-block j from its 256-value block's 16-byte header (d,
-    dmin, 12 bytes of 6-bit scales and mins; 8 uint16 elements), gguf-py's Q4_K.get_scale_min: sub-block j < 4
-    has the low 6 bits of bytes j and j + 4; j >= 4 the nibbles of byte j + 4 and the top 2 bits of bytes j - 4
-    and j (bytes counted after d and dmin)."""
-    base = start + (value >> 8) * 8
+    dmin, 12 bytes of 6-bit scales and mins; 8 uint16 elements, read as 4 words in one load), gguf-py's
+    Q4_K.get_scale_min: sub-block j < 4 has the low 6 bits of bytes j and j + 4; j >= 4 the nibbles of byte
+    j + 4 and the top 2 bits of bytes j - 4 and j (bytes counted after d and dmin)."""
     j = (value >> 5) & 7
+    d_dmin, bytes_0_3, bytes_4_7, bytes_8_11 = load4(header, start + (value >> 8) * 8)
+    shift = np.int32(8 * (j & 3))
     if j < 4:
-        sc = _header_byte(header, base, 4 + j) & 63
-        m = _header_byte(header, base, 8 + j) & 63
+        sc = (bytes_0_3 >> shift) & 63
+        m = (bytes_4_7 >> shift) & 63
     else:
-        packed = _header_byte(header, base, 8 + j)
-        sc = (packed & 15) | ((_header_byte(header, base, j) >> 6) << 4)
-        m = (packed >> 4) | ((_header_byte(header, base, 4 + j) >> 6) << 4)
-    d = f16_bits_to_f32(np.int32(header[base]))
-    dmin = f16_bits_to_f32(np.int32(header[base + 1]))
+        packed = (bytes_8_11 >> shift) & 0xFF
+        sc = (packed & 15) | ((((bytes_0_3 >> shift) & 0xFF) >> 6) << 4)
+        m = (packed >> 4) | ((((bytes_4_7 >> shift) & 0xFF) >> 6) << 4)
+    d = f16_bits_to_f32(d_dmin & np.int32(0xFFFF))
+    dmin = f16_bits_to_f32((d_dmin >> np.int32(16)) & np.int32(0xFFFF))
     return d * np.float32(sc), dmin * np.float32(m)
 
 

@@ -1,0 +1,89 @@
+"""Registers per thread of the decode matmul kernels, compiled here without a GPU: numba emits the PTX, the
+CUDA toolkit's `ptxas` assigns registers (what occupancy depends on: 256 threads a block at more than 128
+registers leave one block per SM). A change to a decode kernel's source shows its register cost in seconds,
+before any device time is spent.
+
+    CUDA_HOME=/usr/local/cuda-13.0 python3 benchmarks/registers.py [--types Q4_K,Q8_0] [--windows 1,4]
+
+Needs libnvvm (under CUDA_HOME) and ptxas; not libnvrtc or a driver.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from gguf.constants import GGMLQuantizationType as T
+
+SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096)]      # (n_in, n_out)
+ARCH = (9, 0)
+
+
+def _without_nvrtc():
+    """numba asks libnvrtc which architectures it supports before compiling PTX; answer without it."""
+    from numba.cuda import cuda_paths
+    from numba.cuda.cudadrv import nvrtc
+    nvrtc.get_supported_ccs = lambda: ((8, 0), ARCH)
+    cuda_paths._get_nvrtc_path = lambda: cuda_paths._env_path_tuple("none", None)
+
+
+def decode_ptx(ggml_type, n_in: int, n_out: int, window: int):
+    """(PTX, DecodeShape) of the dense decode kernel (no bias, no SwiGLU) for this shape and window."""
+    from numba import types
+    from numba.cuda import compile_ptx
+    from codegen.lower import matmul
+    from codegen.lower.word_formats import FORMATS
+    fmt = FORMATS[ggml_type]
+    shape = matmul.decode_shape(fmt, n_in, n_out, window)
+    launch = matmul.decode_kernel(ggml_type, n_in, False, False, shape, False)
+    kernel = next(cell.cell_contents for cell in launch.__closure__ if hasattr(cell.cell_contents, "py_func"))
+    scale = types.uint16 if fmt.header_bits else types.float16
+    signature = (types.float32[:, ::1], types.int32[::1], scale[::1], types.int32[::1], scale[::1],
+                 types.float32[::1], types.float32[:, ::1])
+    ptx, _ = compile_ptx(kernel.py_func, signature, cc=ARCH)
+    return ptx, shape
+
+
+def registers(ptxas: str, ptx: str) -> tuple:
+    """(registers, spill store bytes) that ptxas reports for the PTX."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as file:
+        file.write(ptx)
+        file.flush()
+        report = subprocess.run([ptxas, f"-arch=sm_{ARCH[0]}{ARCH[1]}", "-v", file.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    used = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return int(used.group(1)), int(spills.group(1)) if spills else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default="F32,Q8_0,Q4_0,Q4_K,Q6_K")
+    parser.add_argument("--windows", default="1,4")
+    args = parser.parse_args(argv)
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    ptxas = shutil.which("ptxas") or os.path.join(home, "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        print(f"no ptxas on PATH or under CUDA_HOME={home}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
+    _without_nvrtc()
+    print(f"{'type':6} {'n_in':>6} {'n_out':>6} {'window':>6} {'tg':>4} {'rows':>4} {'regs':>5} {'spill B':>7}"
+          f" {'blocks/SM':>9}")
+    for name in args.types.split(","):
+        for window in map(int, args.windows.split(",")):
+            for n_in, n_out in SHAPES:
+                ptx, shape = decode_ptx(T[name], n_in, n_out, window)
+                regs, spill = registers(ptxas, ptx)
+                threads = shape.tg * shape.groups
+                blocks = 65536 // (-(-regs // 8) * 8 * threads)       # the register file: 64K a SM
+                print(f"{name:6} {n_in:6} {n_out:6} {window:6} {shape.tg:4} {shape.nr:4} {regs:5} {spill:7}"
+                      f" {blocks:9}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
