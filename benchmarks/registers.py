@@ -18,7 +18,7 @@ import tempfile
 
 from gguf.constants import GGMLQuantizationType as T
 
-SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096)]      # (n_in, n_out)
+SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096), (4096, 151936)]      # (n_in, n_out)
 ARCH = (9, 0)
 
 
