@@ -29,7 +29,7 @@ from gguf.constants import GGMLQuantizationType as T
 from runtime.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_bytes_per_s
 from codegen.cost import measured_tile_rows_per_pair
 from codegen.graph import moe_groups_length
-from codegen.lower import matmul, moe, weights
+from codegen.lower import matmul, matmul_decode, moe, weights
 from codegen.lower.cuda import cuda, device_name
 from codegen.lower.word_formats import FORMATS
 from runtime import reference
@@ -367,7 +367,7 @@ def decode_table(rng, bandwidth):
 
 def decode_sweep(rng, bandwidth):
     """The decode kernel's free parameters (lanes per row group, rows per group, chunks in flight) at one
-    token, Q8_0, beside the choice `matmul.decode_shape` makes."""
+    token, Q8_0, beside the choice `matmul_decode.decode_shape` makes."""
     rows = []
     fmt = FORMATS[T.Q8_0]
     placeholder = cuda.to_device(np.zeros(1, np.float32))
@@ -377,10 +377,10 @@ def decode_sweep(rng, bandwidth):
         device = [matmul.words(weights.upload(packed)) for _ in range(copies)]
         x = cuda.to_device(rng.standard_normal((1, n_in), dtype=np.float32))
         out = cuda.device_array((1, n_out), np.float32)
-        chosen = matmul.decode_shape(fmt, n_in, n_out, 1)
+        chosen = matmul_decode.decode_shape(fmt, n_in, n_out, 1)
         for tg, nr, unroll in [(t, n, u) for t in (32, 64, 128, 256) for n in (2, 4) for u in (1, 2)]:
             shape = chosen._replace(tg=tg, groups=256 // tg, nr=nr, unroll=unroll)
-            launch = matmul.decode_kernel(T.Q8_0, n_in, False, False, shape)
+            launch = matmul_decode.decode_kernel(T.Q8_0, n_in, False, False, shape)
             seconds = graph_seconds(launches(lambda s, i: launch(s, x, *device[i % copies], *device[i % copies],
                                                         placeholder, out), max(copies, MIN_LAUNCHES)))
             rows.append((f"{n_out} x {n_in}", tg, nr, unroll, f"{seconds * 1e6:.1f}",

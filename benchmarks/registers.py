@@ -34,11 +34,11 @@ def decode_ptx(ggml_type, n_in: int, n_out: int, window: int):
     """(PTX, DecodeShape) of the dense decode kernel (no bias, no SwiGLU) for this shape and window."""
     from numba import types
     from numba.cuda import compile_ptx
-    from codegen.lower import matmul
+    from codegen.lower import matmul_decode
     from codegen.lower.word_formats import FORMATS
     fmt = FORMATS[ggml_type]
-    shape = matmul.decode_shape(fmt, n_in, n_out, window)
-    launch = matmul.decode_kernel(ggml_type, n_in, False, False, shape, False)
+    shape = matmul_decode.decode_shape(fmt, n_in, n_out, window)
+    launch = matmul_decode.decode_kernel(ggml_type, n_in, False, False, shape, False)
     kernel = next(cell.cell_contents for cell in launch.__closure__ if hasattr(cell.cell_contents, "py_func"))
     scale = types.uint16 if fmt.header_bits else types.float16
     signature = (types.float32[:, ::1], types.int32[::1], scale[::1], types.int32[::1], scale[::1],

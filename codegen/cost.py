@@ -38,7 +38,7 @@ MATMUL_OPS = ("matmul", "swiglu_matmul")
 ATTENTION_OPS = ("attention", "attention_combine")
 GROUPING_OPS = ("moe_groups", "moe_route")     # one thread block each: they follow no roofline
 DECODE_ROUND_BYTES = 32 * 16    # a warp's loads of a weight row in flight at once: a 16-byte chunk a lane
-#                                 (codegen.lower.matmul.CHUNK_WORDS words), one chunk in flight (unroll 1)
+#                                 (codegen.lower.matmul_decode.CHUNK_WORDS words), one chunk in flight (unroll 1)
 # decode attention's shape (codegen.lower.attention_decode, whose constants tests/test_cost.py checks these
 # against): a warp's tile of positions, the K chunks and V rows it has in flight, and a block's warps on a GPU
 DECODE_ATTENTION_TILE = 32

@@ -63,7 +63,7 @@ def tile_cols(gated: bool) -> int:
 
 
 class Tiling(NamedTuple):
-    """How the prefill family's kernel tiles a node (`codegen.lower.matmul`, `codegen.lower.moe`)."""
+    """How the prefill family's kernel tiles a node (`codegen.lower.matmul_prefill`, `codegen.lower.moe`)."""
     tile_rows: int      # activation rows (routed experts: pair rows) of a tile
     col_tiles: int      # tiles across the outputs
     n_in: int           # the weights' width: a tile dequantizes TILE_WEIGHT_ROWS x n_in elements

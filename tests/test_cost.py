@@ -122,7 +122,7 @@ def test_decode_attentions_rounds_follow_its_kernel():
 def test_decode_expert_launches_wait_their_load_rounds(qwen):
     """A Qwen3-30B-A3B Q8_0 warp reads a gate/up row of 2048 quants in 4 rounds of 32 16-byte chunks (gate's and
     up's together), a down row of 768 in 2: 6 rounds a block. A round is what the decode kernels load at once."""
-    from codegen.lower.matmul import CHUNK_WORDS
+    from codegen.lower.matmul_decode import CHUNK_WORDS
     from codegen.lower.pointwise import WARP
     assert codegen_cost.DECODE_ROUND_BYTES == WARP * CHUNK_WORDS * 4
     graph = build_pass(qwen, "decode", 1, KV, layers=representative_layers(qwen.hparams))

@@ -9,7 +9,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import prefill_tiling
-from codegen.lower import MAX_WINDOW, matmul, weights
+from codegen.lower import MAX_WINDOW, matmul, matmul_decode, matmul_prefill, weights
 from codegen.lower.cuda import cuda
 from codegen.lower.word_formats import FORMATS
 from planner.model import split_bytes
@@ -129,11 +129,11 @@ def test_decode_rows_do_not_depend_on_rows_per_group_or_chunks_in_flight(rng):
     packed, w, _ = packed_weight(rng, T.Q8_0, (n_out, n_in))
     data, scales = matmul.words(w)
     x = cuda.to_device(activations(rng, 3, n_in))
-    base = matmul.decode_shape(FORMATS[T.Q8_0], n_in, n_out, 3)
+    base = matmul_decode.decode_shape(FORMATS[T.Q8_0], n_in, n_out, 3)
     results = []
     for nr, unroll in [(1, 1), (2, 2), (8, 1), (3, 2)]:
         out = cuda.to_device(np.full((3, n_out), np.nan, np.float32))
-        kernel = matmul.decode_kernel(T.Q8_0, n_in, False, False, base._replace(nr=nr, unroll=unroll))
+        kernel = matmul_decode.decode_kernel(T.Q8_0, n_in, False, False, base._replace(nr=nr, unroll=unroll))
         kernel(0, x, data, scales, data, scales, x, out)
         results.append(out.copy_to_host())
     assert not np.isnan(results[0]).any()
@@ -302,7 +302,7 @@ def test_prefill_matmul_launches_the_tiles_the_cost_model_prices(monkeypatch, rn
     """The prefill kernel's grid is the tiles codegen.cost prices (codegen.graph.prefill_tiling): one geometry for
     both (a launch intercepted, nothing runs)."""
     grids = []
-    monkeypatch.setattr(matmul, "launch_kernel", lambda kernel, grid, *args: grids.append(grid))
+    monkeypatch.setattr(matmul_prefill, "launch_kernel", lambda kernel, grid, *args: grids.append(grid))
     _, w, _ = packed_weight(rng, T.Q8_0, (n_out, n_in))
     x, out = cuda.to_device(activations(rng, rows, n_in)), cuda.device_array((rows, n_out), np.float32)
     if swiglu:

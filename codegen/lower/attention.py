@@ -40,7 +40,7 @@ from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import FAMILIES, MAX_WINDOW
 from codegen.lower.attention_decode import make_decode_attention
 from codegen.lower.attention_prefill import make_prefill_attention
-from codegen.lower.cuda import cuda, launch_kernel
+from codegen.lower.cuda import SHARED_BYTES, U, cuda, launch_kernel
 from codegen.lower.kv_pages import (ELEMENTS_PER_WORD, QUANT_BLOCK, QUANTIZED, check_head_dims,
                                      converted_element_format, element_format, host_arrays, kv_types)
 from planner.errors import StratumError
@@ -51,7 +51,6 @@ SCORE_HEADS = 4           # query heads a score thread holds (fewer when the gro
 VALUE_DIMS = 4            # dims of the output a P V thread sums (more when the block is too small)
 MAX_SUBSETS = 4           # token subsets the P V sums are split into (shared memory bounds it)
 SEGMENT = 8               # tokens per softmax segment
-SHARED_BYTES = 48 * 1024  # static shared memory a block may use
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,6 @@ TUNING = Tuning()
 
 
 NEG_INF = np.float32(-np.inf)
-_ix = np.uint64    # array indices known >= 0: numba skips its negative-index wraparound
 _ZERO = np.float32(0)
 
 
@@ -199,10 +197,10 @@ def _tile_io(ggml_type: T, page_tokens: int, dim: int, s: _Shape, stride: int, c
             w0 = tid % wt
             for b in range(n_b):
                 for a in range(n_a):
-                    raw[b * n_a + a] = data[_ix(slot), _ix((row + b * tt) * row_words + w0 + a * wt)]
+                    raw[b * n_a + a] = data[U(slot), U((row + b * tt) * row_words + w0 + a * wt)]
                     if quantized:
                         raw_scales[b * n_a + a] = np.float32(
-                            scales[_ix(slot), _ix((row + b * tt) * blocks_per_row + (w0 + a * wt) // words_per_block)])
+                            scales[U(slot), U((row + b * tt) * blocks_per_row + (w0 + a * wt) // words_per_block)])
 
     @cuda.jit(device=True, inline=True)
     def store(raw, raw_scales, tid, keep, buf):
@@ -215,7 +213,7 @@ def _tile_io(ggml_type: T, page_tokens: int, dim: int, s: _Shape, stride: int, c
                         value = _ZERO
                         if t0 + b * tt < keep:
                             value = element_value(raw[b * n_a + a], e, raw_scales[b * n_a + a])
-                        buf[_ix((t0 + b * tt) * stride + element_dim(w0 + a * wt, e))] = value
+                        buf[U((t0 + b * tt) * stride + element_dim(w0 + a * wt, e))] = value
     return load, store, per_thread, register
 
 
@@ -313,7 +311,7 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
                     d = v_chunk + DVC * j
                     total = acc[a * DVT + j]
                     for u in range(NS - 1):
-                        total += scratch[_ix(VP + (u * G + g) * dv + d)]
+                        total += scratch[U(VP + (u * G + g) * dv + d)]
                     if m_old != NEG_INF:
                         total = prev[a * DVT + j] * alpha + total
                     state_set(out, row, kv_head * G + g, split, d, total)
@@ -426,16 +424,16 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
                     if i == 0 or n_rows > 1 or not hold_q:
                         for a in range(GT):
                             for j in range(DT):
-                                q_regs[a * DT + j] = q[_ix(row), _ix(((kv_head * G + head_group * GT + a) * KC + chunk) * DT + j)]
+                                q_regs[a * DT + j] = q[U(row), U(((kv_head * G + head_group * GT + a) * KC + chunk) * DT + j)]
                     for k in range(TPL):
                         t = lane + k * LANES
                         for j in range(DT):
-                            k_vals[j] = k_tile[_ix(t * KSTR + chunk * DT + j)]
+                            k_vals[j] = k_tile[U(t * KSTR + chunk * DT + j)]
                         for a in range(GT):
                             dot = _ZERO
                             for j in range(DT):
                                 dot += q_regs[a * DT + j] * k_vals[j]
-                            scratch[_ix((chunk * G + head_group * GT + a) * T_ + t)] = dot
+                            scratch[U((chunk * G + head_group * GT + a) * T_ + t)] = dot
                     cuda.syncthreads()
                     # each (head, segment): scores in dim-chunk order, masked past the row; the segment's max
                     if tid < SCORE_ROLES:
@@ -445,11 +443,11 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
                             t = score_segment * SEGL + k
                             score = _ZERO
                             for c in range(KC):
-                                score += scratch[_ix((c * G + g) * T_ + t)]
+                                score += scratch[U((c * G + g) * T_ + t)]
                             score = score * scale
                             if t0 + t > pos or (window and t0 + t <= pos - window):
                                 score = NEG_INF
-                            probs[_ix(g * T_ + t)] = score
+                            probs[U(g * T_ + t)] = score
                             top = max(top, score)
                         seg_max[tid] = top
                     cuda.syncthreads()
@@ -459,12 +457,12 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
                         m_old = run_max[r * G + g]
                         m_new = m_old
                         for k in range(NSEG):
-                            m_new = max(m_new, seg_max[_ix(g * NSEG + k)])
+                            m_new = max(m_new, seg_max[U(g * NSEG + k)])
                         total = _ZERO
                         for k in range(SEGL):
                             t = score_segment * SEGL + k
-                            p = math.exp(probs[_ix(g * T_ + t)] - m_new)
-                            probs[_ix(g * T_ + t)] = p
+                            p = math.exp(probs[U(g * T_ + t)] - m_new)
+                            probs[U(g * T_ + t)] = p
                             total += p
                         seg_sum[tid] = total
                         if score_segment == 0:
@@ -483,15 +481,15 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
                         for k in range(TPS):
                             t = subset + k * NS
                             for j in range(DVT):
-                                v_vals[j] = v_tile[_ix(t * dv + v_chunk + DVC * j)]
+                                v_vals[j] = v_tile[U(t * dv + v_chunk + DVC * j)]
                             for a in range(GT):
-                                p = probs[_ix((v_heads * GT + a) * T_ + t)]
+                                p = probs[U((v_heads * GT + a) * T_ + t)]
                                 for j in range(DVT):
                                     acc[a * DVT + j] += p * v_vals[j]
                         if subset > 0:
                             for a in range(GT):
                                 for j in range(DVT):
-                                    scratch[_ix(VP + ((subset - 1) * G + v_heads * GT + a) * dv + v_chunk + DVC * j)] = \
+                                    scratch[U(VP + ((subset - 1) * G + v_heads * GT + a) * dv + v_chunk + DVC * j)] = \
                                         acc[a * DVT + j]
                     cuda.syncthreads()
                     pending = True

@@ -38,8 +38,8 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import MAX_WINDOW
-from codegen.lower.cuda import (SIMULATOR, WARP_MAX_VALUES, cuda, f16x2_to_f32, launch_kernel, load4,
-                                syncwarp, warp_max, warp_sum)
+from codegen.lower.cuda import (SHARED_BYTES, SIMULATOR, U, WARP_MAX_VALUES, cuda, f16x2_to_f32, launch_kernel,
+                                load4, syncwarp, warp_max, warp_sum)
 from codegen.lower.kv_pages import QUANT_BLOCK, QUANTIZED, aligned_kernel_arrays, kv_types, page_locator
 from codegen.lower.word_formats import FORMATS
 from planner.errors import StratumError
@@ -48,7 +48,6 @@ from planner.errors import StratumError
 # then trivial there; on a GPU it is the same code with more warps)
 DECODE_WARPS = 1 if SIMULATOR else 4
 LANES = 32                  # = positions a tile
-SHARED_BYTES = 48 * 1024    # static shared memory a block may use
 CHUNK_WORDS = 4             # a lane's load of a K row: 16 bytes (`load4`)
 K_AHEAD = 4                 # chunks of its K row a lane has in flight (the kernel names four)
 V_AHEAD = 8                 # positions whose V words a lane has in flight (the kernel names eight)
@@ -56,7 +55,6 @@ MAX_V_WORDS = 4             # words of a V row a lane sums at most (f16: head di
 
 NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0)
-_U = np.uint64              # array indices known >= 0: numba skips its negative-index wraparound
 
 
 @cuda.jit(device=True, inline=True)
@@ -126,10 +124,10 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
         """Words 4c..4c + 3 of a K row (c clamped to the row) and their block's scale (1 for float types)."""
         c = min(c, k_chunks - 1)
         data = hk_data if host else k_data
-        words = load4(data, (_U(where), _U(k_row + c * CHUNK_WORDS)))
+        words = load4(data, (U(where), U(k_row + c * CHUNK_WORDS)))
         if k_quantized:
             scales = hk_scales if host else k_scales
-            return words, np.float32(scales[_U(where), _U(k_scale_row + (c * CHUNK_WORDS) // k_words_per_block)])
+            return words, np.float32(scales[U(where), U(k_scale_row + (c * CHUNK_WORDS) // k_words_per_block)])
         return words, one
 
     @cuda.jit(device=True, inline=True)
@@ -138,8 +136,8 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
         w = lane + LANES * i
         if i < v_per_lane and (v_full or w < v_words):
             if v_quantized:
-                return data[_U(where), _U(v_row + w)], np.float32(scales[_U(where), _U(v_scale_row + w // v_words_per_block)])
-            return data[_U(where), _U(v_row + w)], one
+                return data[U(where), U(v_row + w)], np.float32(scales[U(where), U(v_scale_row + w // v_words_per_block)])
+            return data[U(where), U(v_row + w)], one
         return np.int32(0), one
 
     @cuda.jit(device=True, inline=True)
@@ -177,7 +175,7 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                 d = k_elem(c * CHUNK_WORDS + i, e, k_vpw)
                 value = k_vals[i, e] * block_scale if k_quantized else k_vals[i, e]
                 for h in range(G):
-                    dots[h] += q_t[_U(d * G + h)] * value
+                    dots[h] += q_t[U(d * G + h)] * value
 
     @cuda.jit(device=True, inline=True)
     def apply_v(fetched, probs, at, v_vals, acc):
@@ -188,7 +186,7 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                 for e in range(v_vpw):
                     v_vals[i, e] *= block_scales[i]
         for h in range(G):
-            p = probs[_U(at + h)]
+            p = probs[U(at + h)]
             for i in range(v_per_lane):
                 for e in range(v_vpw):
                     acc[(h * v_per_lane + i) * v_vpw + e] += p * v_vals[i, e]
@@ -228,12 +226,12 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
             last = (pos // LANES - split) // splits if pos >= 0 and pos // LANES >= split else -1
             if last < first:        # (the same for the whole block) no tile: the neutral partial
                 for e in range(tid, G * (dv + 2), threads):
-                    out[_U(row), _U(kv_head * G + e // (dv + 2)), _U(split), _U(e % (dv + 2))] = \
+                    out[U(row), U(kv_head * G + e // (dv + 2)), U(split), U(e % (dv + 2))] = \
                         NEG_INF if e % (dv + 2) == 0 else _ZERO
                 continue
             for e in range(tid, G * dk, threads):
                 h = e // dk
-                q_t[e % dk * G + h] = q[_U(row), _U((kv_head * G + h) * dk + e % dk)]
+                q_t[e % dk * G + h] = q[U(row), U((kv_head * G + h) * dk + e % dk)]
             for h in range(G):
                 running_max[h] = NEG_INF
                 lane_sum[h] = _ZERO
@@ -301,7 +299,7 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                         p = math.exp(scores[h] - m_new)
                         lane_sum[h] = lane_sum[h] * alpha + p
                         running_max[h] = m_new
-                        scratch[_U(probs + lane * G + h)] = p
+                        scratch[U(probs + lane * G + h)] = p
                         for e in range(v_per_lane * v_vpw):
                             acc[h * v_per_lane * v_vpw + e] *= alpha
                 syncwarp()
@@ -346,7 +344,7 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                     w = lane + LANES * i
                     if v_full or w < v_words:
                         for e in range(v_vpw):
-                            scratch[_U((warp * G + h) * dv + v_elem(w, e, v_vpw))] = \
+                            scratch[U((warp * G + h) * dv + v_elem(w, e, v_vpw))] = \
                                 acc[(h * v_per_lane + i) * v_vpw + e]
             cuda.syncthreads()
             for e in range(tid, NW * G, threads):
@@ -365,8 +363,8 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                     top = max(top, warp_maxima[w * G + h])
                     weight = weights[w * G + h]
                     if weight != _ZERO and x > 0:
-                        total += weight * (warp_sums[w * G + h] if x == 1 else scratch[_U((w * G + h) * dv + x - 2)])
-                out[_U(row), _U(kv_head * G + h), _U(split), _U(x)] = top if x == 0 else total
+                        total += weight * (warp_sums[w * G + h] if x == 1 else scratch[U((w * G + h) * dv + x - 2)])
+                out[U(row), U(kv_head * G + h), U(split), U(x)] = top if x == 0 else total
             cuda.syncthreads()
 
     return kernel, threads

@@ -32,7 +32,7 @@ import numpy as np
 
 from codegen.graph import PREFILL_QUERY_VECTORS, prefill_attention_rows
 from codegen.lower.attention_decode import _word_format
-from codegen.lower.cuda import SIMULATOR, cuda, launch_kernel, load4
+from codegen.lower.cuda import SHARED_ALIGN, SHARED_BYTES, SIMULATOR, U, cuda, launch_kernel, load4
 from codegen.lower.kv_pages import QUANT_BLOCK, QUANTIZED, aligned_kernel_arrays, kv_types, page_locator
 from planner.errors import StratumError
 
@@ -42,13 +42,10 @@ LANES = 32
 TILE = 32                   # positions a K/V tile (= lanes: one lane stages one position's K row)
 QUERY_GROUP = PREFILL_QUERY_VECTORS     # a block's query vectors are padded to a multiple of this
 CHUNK_WORDS = 4             # a lane's load of a K or V row: 16 bytes (`load4`)
-SHARED_BYTES = 48 * 1024    # static shared memory a block may use
-ALIGN = None if SIMULATOR else 16     # shared tiles read as float4 (the simulator takes no alignment)
 
 NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0)
 _ONE = np.float32(1)
-_U = np.uint64              # array indices known >= 0: numba skips its negative-index wraparound
 
 
 @dataclass(frozen=True)
@@ -105,11 +102,11 @@ def _chunk_reader(ggml_type, dim: int, page_tokens: int):
     def read(page_table, data, scales, host_data, host_scales, kv_head, key, c, vals):
         where, host, offset = locate(page_table, key)
         row = kv_head * page_tokens + offset
-        words = load4(host_data if host else data, (_U(where), _U(row * row_words + c * CHUNK_WORDS)))
+        words = load4(host_data if host else data, (U(where), U(row * row_words + c * CHUNK_WORDS)))
         for i in range(CHUNK_WORDS):
             decode(words[i], vals, i, 0)
         if quantized:
-            block_scale = np.float32((host_scales if host else scales)[_U(where), _U(
+            block_scale = np.float32((host_scales if host else scales)[U(where), U(
                 row * row_blocks + c * CHUNK_WORDS // words_per_block)])
             for i in range(CHUNK_WORDS):
                 for e in range(vpw):
@@ -124,9 +121,9 @@ def _outer_product_step(columns: int):
     @cuda.jit(device=True, inline=True)
     def step(a, a_at, b, b_at, a_regs, b_regs, acc):
         for i in range(4):
-            a_regs[i] = a[_U(a_at + i)]
+            a_regs[i] = a[U(a_at + i)]
         for j in range(columns):
-            b_regs[j] = b[_U(b_at + j)]
+            b_regs[j] = b[U(b_at + j)]
         for i in range(4):
             for j in range(columns):
                 acc[i, j] += a_regs[i] * b_regs[j]
@@ -165,7 +162,7 @@ def prefill_attention_kernel(k_type, v_type, group: int, dk: int, dv: int, page_
             read_k(page_table, k_data, k_scales, hk_data, hk_scales, kv_head, min(max(key, lo), hi), c, vals)
             for i in range(CHUNK_WORDS):
                 for e in range(k_vpw):
-                    buf[_U(k_elem(c * CHUNK_WORDS + i, e, k_vpw) * TILE + p)] = vals[i, e] if inside else _ZERO
+                    buf[U(k_elem(c * CHUNK_WORDS + i, e, k_vpw) * TILE + p)] = vals[i, e] if inside else _ZERO
 
     @cuda.jit(device=True, inline=True)
     def stage_v(page_table, v_data, v_scales, hv_data, hv_scales, kv_head, t0, lo, hi, tid, vals, buf):
@@ -179,7 +176,7 @@ def prefill_attention_kernel(k_type, v_type, group: int, dk: int, dv: int, page_
             read_v(page_table, v_data, v_scales, hv_data, hv_scales, kv_head, min(max(key, lo), hi), c, vals)
             for i in range(CHUNK_WORDS):
                 for x in range(v_vpw):
-                    buf[_U(p * dv + v_elem(c * CHUNK_WORDS + i, x, v_vpw))] = vals[i, x] if inside else _ZERO
+                    buf[U(p * dv + v_elem(c * CHUNK_WORDS + i, x, v_vpw))] = vals[i, x] if inside else _ZERO
 
     score_step, value_step = _outer_product_step(PP), _outer_product_step(DP)
 
@@ -192,9 +189,9 @@ def prefill_attention_kernel(k_type, v_type, group: int, dk: int, dv: int, page_
         kv_head = cuda.blockIdx.x % n_head_kv
         row0 = (n_slices - 1 - cuda.blockIdx.x // n_head_kv) * QR    # the longest slices first
         n_rows = min(QR, n_rows_all - row0)
-        q_t = cuda.shared.array(Q_FLOATS, np.float32, alignment=ALIGN)      # q_t[d * QV + query]
-        buf = cuda.shared.array(KV_FLOATS, np.float32, alignment=ALIGN)     # K as k[d][p], then V as v[p][d]
-        s_t = cuda.shared.array(S_FLOATS, np.float32, alignment=ALIGN)      # s_t[p * QV + query]
+        q_t = cuda.shared.array(Q_FLOATS, np.float32, alignment=SHARED_ALIGN)      # q_t[d * QV + query]
+        buf = cuda.shared.array(KV_FLOATS, np.float32, alignment=SHARED_ALIGN)     # K as k[d][p], then V as v[p][d]
+        s_t = cuda.shared.array(S_FLOATS, np.float32, alignment=SHARED_ALIGN)      # s_t[p * QV + query]
         run_max = cuda.shared.array(QV, np.float32)
         run_sum = cuda.shared.array(QV, np.float32)
         alpha = cuda.shared.array(QV, np.float32)
@@ -213,7 +210,7 @@ def prefill_attention_kernel(k_type, v_type, group: int, dk: int, dv: int, page_
             d = e // QV
             value = _ZERO
             if query < n_rows * G:
-                value = q[_U(row0 + query // G), _U((kv_head * G + query % G) * dk + d)]
+                value = q[U(row0 + query // G), U((kv_head * G + query % G) * dk + d)]
             q_t[e] = value
         if tid < QV:
             run_max[tid] = NEG_INF
@@ -253,13 +250,13 @@ def prefill_attention_kernel(k_type, v_type, group: int, dk: int, dv: int, page_
                     score = NEG_INF
                     if query < n_rows * G and key <= pos and (window == 0 or key > pos - window):
                         score = scores[i, j] * scale
-                    s_t[_U((lane_group * PP + j) * QV + query)] = score
+                    s_t[U((lane_group * PP + j) * QV + query)] = score
             cuda.syncthreads()
             if tid < QV:        # softmax of query vector tid over the tile
                 m_old = run_max[tid]
                 top = m_old
                 for p in range(TILE):
-                    top = max(top, s_t[_U(p * QV + tid)])
+                    top = max(top, s_t[U(p * QV + tid)])
                 factor = _ONE
                 if top != NEG_INF:
                     factor = math.exp(m_old - top)
@@ -267,8 +264,8 @@ def prefill_attention_kernel(k_type, v_type, group: int, dk: int, dv: int, page_
                 for p in range(TILE):
                     e = _ZERO
                     if top != NEG_INF:
-                        e = math.exp(s_t[_U(p * QV + tid)] - top)
-                    s_t[_U(p * QV + tid)] = e
+                        e = math.exp(s_t[U(p * QV + tid)] - top)
+                    s_t[U(p * QV + tid)] = e
                     total += e
                 run_sum[tid] = run_sum[tid] * factor + total
                 run_max[tid] = top
@@ -289,7 +286,7 @@ def prefill_attention_kernel(k_type, v_type, group: int, dk: int, dv: int, page_
             if query < n_rows * G:
                 total = run_sum[query]
                 for j in range(DP):
-                    out[_U(row0 + query // G), _U((kv_head * G + query % G) * dv + lane_group * DP + j)] = \
+                    out[U(row0 + query // G), U((kv_head * G + query % G) * dv + lane_group * DP + j)] = \
                         acc[i, j] / total
 
     return kernel, s

@@ -18,6 +18,11 @@ from numba.core import types as _numba_types
 from codegen.lower import kernel_cache
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
+SHARED_BYTES = 48 * 1024                    # static shared memory a block may use
+SHARED_ALIGN = None if SIMULATOR else 16    # shared tiles read as float4 (the simulator takes no alignment)
+U = np.uint64           # array indices known >= 0, cast to unsigned: numba emits no negative-index wraparound
+IDX = 1023              # thread ids masked with this are provably >= 0: no wraparound code either
+BIDX = 0x7FFFFFFF       # the same for block ids
 WARP_MAX_VALUES = 64     # values one warp_max or warp_sum call reduces at most
 
 # Kernels use this module object (`from codegen.lower.cuda import cuda`; `cuda.jit`, `cuda.grid(1)`,
@@ -233,6 +238,13 @@ def aligned16(array) -> bool:
     if SIMULATOR or array.size == 0:
         return True
     return array.device_ctypes_pointer.value % 16 == 0 and all(stride % 16 == 0 for stride in array.strides[:-1])
+
+
+def check_aligned(what: str, array) -> None:
+    """Refuse an array that `load4` cannot read at its rows' starts (`aligned16`), before a launch faults."""
+    if not aligned16(array):
+        raise ValueError(f"{what}: 16-byte loads read its rows, and this array starts or steps at an address "
+                         "that is not a multiple of 16 bytes")
 
 
 @cuda.jit(device=True, inline=True)
@@ -523,5 +535,6 @@ class CapturedGraph:
 
 __all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
            "mapped_device_view", "mapped_filled", "mapped_host_view", "event_done", "launch_kernel", "kernel_counts",
-           "copy_rows", "load4", "aligned16", "f16x2_to_f32", "syncwarp", "warp_max", "warp_sum", "WARP_MAX_VALUES",
-           "better", "free_device_bytes"]
+           "copy_rows", "load4", "aligned16", "check_aligned", "f16x2_to_f32", "syncwarp", "warp_max", "warp_sum", "WARP_MAX_VALUES",
+           "better", "free_device_bytes", "SHARED_BYTES", "SHARED_ALIGN", "U", "IDX",
+           "BIDX"]

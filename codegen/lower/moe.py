@@ -44,10 +44,11 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import EXPERT_TILE_ROWS, expert_tiles, tile_cols
 from codegen.lower import MAX_WINDOW, pointwise
-from codegen.lower.cuda import SIMULATOR, cuda, launch_kernel
-from codegen.lower.pointwise import WARP
-from codegen.lower.matmul import (ALIGN, BIDX, BK, BN, IDX, PAD, ROW_VALUES, THREADS, W_TILE, DecodeShape,
-                                  check, check_aligned, decode_core, prefill_core, silu, window_rows, words)
+from codegen.lower.cuda import BIDX, IDX, SHARED_ALIGN, SIMULATOR, check_aligned, cuda, launch_kernel
+from codegen.lower.matmul import check, words
+from codegen.lower.matmul_decode import ROW_VALUES, DecodeShape, decode_core, window_rows
+from codegen.lower.matmul_prefill import BK, BN, PAD, THREADS, W_TILE, prefill_core
+from codegen.lower.pointwise import WARP, silu
 from codegen.lower.word_formats import FORMATS
 
 GROUP_THREADS = 1024    # at most, for make_moe_groups: a block's threads, each a run of consecutive pairs
@@ -427,8 +428,8 @@ def prefill_kernel(ggml_type, n_in: int, n_cols: int, n_expert: int, k: int, dow
 
     @cuda.jit
     def kernel(x, grouped, slot_of, wa, sa, wb, sb, hwa, hsa, hwb, hsb, out, lo, hi):
-        xs = cuda.shared.array(X_TILE, np.float32, alignment=ALIGN)
-        ws = cuda.shared.array(W_TILE, np.float32, alignment=ALIGN)
+        xs = cuda.shared.array(X_TILE, np.float32, alignment=SHARED_ALIGN)
+        ws = cuda.shared.array(W_TILE, np.float32, alignment=SHARED_ALIGN)
         scan = cuda.shared.array(THREADS, np.int64)
         found = cuda.shared.array(2, np.int64)
         pairs = cuda.shared.array(bm, np.int64)

@@ -33,6 +33,11 @@ GATINGS = ("softmax", "sigmoid")
 NEG_INF = np.float32(-np.inf)
 
 
+@cuda.jit(device=True, inline=True)
+def silu(g):
+    return g / (np.float32(1) + math.exp(-g))
+
+
 def _threads(count: int, cap: int) -> int:
     """A block for `count` items: the smallest power of two >= count, at least a warp, at most `cap`."""
     threads = WARP
