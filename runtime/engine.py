@@ -35,7 +35,7 @@ from codegen.lower import MAX_WINDOW
 from codegen.lower.cuda import SIMULATOR, CapturedGraph, copy_rows, cuda, kernel_counts
 from codegen.lower.program import arena_layout, lower
 from codegen.lower.weights import iter_gguf
-from planner.architecture import tensor_layer
+from planner.architecture import tensor_layer, tensor_role
 from planner.errors import StratumError
 from planner.header import read_header
 from planner.kv import parse_kv_type
@@ -48,6 +48,8 @@ from runtime.drafter import Drafter, accepted_drafts, probabilities, speculative
 from runtime.experts import MATRICES, REFRESH_STEPS, ExpertStore
 from runtime.kv_ring import KVRing
 from runtime.progress import Progress
+
+SWIGLU_PAIRS = (("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"), ("ffn_gate_exps", "ffn_up_exps"))
 
 
 @dataclass
@@ -103,12 +105,14 @@ class Engine:
         self.max_tokens = settings["context_tokens"]
         self.rng = np.random.default_rng(seed)
         self.moe_blocks = [b for b in range(self.hp.n_trunk) if self.hp.is_moe_layer(b)]
+        self._check_swiglu_types()      # refused before anything is allocated
+        expert_layout = self._expert_layout()
         self.arena = DeviceArena(plan)
         self.compute = cuda.stream()
         self._carve_tables(settings["context_tokens"])
         self.kv_ring = KVRing(self.arena, self.tables["page_table"], self.kv, self.hp, self.knobs["kv_pages"],
                               self.knobs["page_tokens"], settings["context_tokens"], self.progress)
-        self.experts = ExpertStore(self.arena, self.tables, self.moe_blocks, self._expert_shapes(),
+        self.experts = ExpertStore(self.arena, self.tables, self.moe_blocks, *expert_layout,
                                    self.model.slot_layout, self.knobs["expert_cache_slots"][0],
                                    self.knobs["prefill_ring_slots"], self.refresh_steps,
                                    self._traced_popularity(settings))
@@ -182,23 +186,37 @@ class Engine:
         sizes = table_sizes(full_pages, self.hp.n_expert, self.moe_blocks, drafter=self._has_drafter())
         self.tables = {name: carver.array((size // 4,), np.int32) for name, size in sizes.items()}
 
-    def _expert_shapes(self) -> dict:
-        """matrix -> (type, shape) of every routed expert tensor (the drafter's too, with the drafter: one
-        slot array holds them all)."""
-        shapes = {}
-        classes = ("expert", "drafter_expert") if self._has_drafter() else ("expert",)
+    def _expert_layout(self) -> tuple[dict, dict]:
+        """(matrix -> (n_expert, rows, cols), block -> {matrix: ggml type}) of the routed experts, the NextN
+        block's too (the planner sizes slots for them all: one slot array holds them). Types may differ between
+        blocks (a Q4_K_M file's Q6_K down projections in some): a slot's parts are sized for the largest
+        (planner.model.SlotLayout), and each block's kernels read its own type."""
+        shapes, types = {}, {}
         for t in self.model.tensors:
-            if self.model.tensor_class[t.name] not in classes:
+            if self.model.tensor_class[t.name] not in ("expert", "drafter_expert"):
                 continue
-            matrix = t.name.split(".")[2]
-            shape = (t.ggml_type, tuple(reversed(t.shape)))
+            matrix, shape = t.name.split(".")[2], tuple(reversed(t.shape))
             if shapes.setdefault(matrix, shape) != shape:
-                raise StratumError(f"{t.name} is {t.ggml_type.name} {shape[1]} but block experts before it are "
-                                   f"{shapes[matrix][0].name} {shapes[matrix][1]}: the runtime needs every "
-                                   "block's routed experts of one type and shape")
-        if set(shapes) != set(MATRICES):
-            raise StratumError(f"routed experts {sorted(shapes)}; the runtime reads {list(MATRICES)}")
-        return shapes
+                raise StratumError(f"{t.name} has shape {shape} but block experts before it {shapes[matrix]}: the "
+                                   "runtime needs every block's routed experts of one shape")
+            types.setdefault(tensor_layer(t.name), {})[matrix] = t.ggml_type
+        for block, matrices in types.items():
+            if set(matrices) != set(MATRICES):
+                raise StratumError(f"block {block}'s routed experts are {sorted(matrices)}; the runtime reads "
+                                   f"{list(MATRICES)}")
+        return shapes, types
+
+    def _check_swiglu_types(self) -> None:
+        """A SwiGLU kernel reads its gate and up matrices as one type: a file that stores them in two is refused."""
+        types = {t.name: t.ggml_type for t in self.model.tensors}
+        for name, gate in types.items():
+            for gate_role, up_role in SWIGLU_PAIRS:
+                if tensor_role(name) == gate_role:
+                    up_name = name.replace(f".{gate_role}.", f".{up_role}.", 1)
+                    if types.get(up_name, gate) != gate:
+                        raise StratumError(f"{name} is {gate.name} but {up_name} is {types[up_name].name}: the "
+                                           "SwiGLU kernel reads a gate and its up in one type",
+                                           source=str(self.model.source))
 
     def _load_weights(self, tensors) -> None:
         dense = self.arena.carver("dense")
@@ -222,8 +240,8 @@ class Engine:
                 self.weights[name] = self.drafter.weights[name]
             self.progress.advance(packed.nbytes)
         for block in self.moe_blocks + ([self.drafter.layer] if self.drafter else []):
-            for matrix in MATRICES:
-                self.weights[f"blk.{block}.{matrix}.weight"] = self.experts.slots[matrix]
+            for matrix, weight in zip(MATRICES, self.experts.slot_weights(block)):
+                self.weights[f"blk.{block}.{matrix}.weight"] = weight
         self.experts.write_decode_tables()
         cuda.synchronize()
         self.progress.finish()

@@ -63,16 +63,17 @@ class ExpertStats:
 
 
 class ExpertStore:
-    def __init__(self, arena, tables: dict, moe_blocks: list, shapes: dict, layout, cache_slots: int,
+    def __init__(self, arena, tables: dict, moe_blocks: list, shapes: dict, types: dict, layout, cache_slots: int,
                  ring_slots: int, refresh_steps: int = REFRESH_STEPS, popularity=None):
-        """shapes: matrix -> (ggml type, (n_expert, rows, cols)), the same in every block and the drafter's
-        (checked by the caller); layout: the model's `SlotLayout`; tables: name -> int32 device table
+        """shapes: matrix -> (n_expert, rows, cols), the same in every block and the drafter's; types: block
+        (the drafter's too) -> {matrix: ggml type}, which may differ between blocks (both checked by the
+        caller); layout: the model's `SlotLayout`; tables: name -> int32 device table
         (`planner.layout.table_sizes`); popularity: [block, expert] routing counts of a trace (the plan's
         workload histogram) or None: the cache starts with each block's most routed experts and the frequency
         policy counts the trace as PRIOR_ROUTINGS routings; without one, it starts with the lowest ids."""
         self.refresh_steps = refresh_steps
         self.blocks = list(moe_blocks)
-        self.n_expert = shapes[MATRICES[0]][1][0]
+        self.n_expert = shapes[MATRICES[0]][0]
         per_block, extra = divmod(cache_slots, max(1, len(self.blocks)))
         counts = [min(self.n_expert, per_block + (i < extra)) for i in range(len(self.blocks))]
         self.n_cache = sum(counts)
@@ -92,7 +93,9 @@ class ExpertStore:
         self.blobs = arena.carver(*regions).array((self.kv_first + lendable, layout.slot_bytes), np.uint8)
         self.lent = {}          # lent slot -> the block it serves
         self.free = {block: [] for block in moe_blocks}         # lent slots no expert has been copied into yet
-        self.slots = {m: self._slot_weight(m, t, shape) for m, (t, shape) in shapes.items()}
+        self.types = types
+        # (matrix, type) -> the slot array read as that type: each block's kernels read their own
+        self.slots = {(m, t): self._slot_weight(m, t, shapes[m]) for block in types.values() for m, t in block.items()}
         self.drafter_host = {}          # matrix -> (data, scales or None): pinned, what closing the room copies
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         prior = np.zeros((len(self.blocks), self.n_expert))
@@ -190,10 +193,15 @@ class ExpertStore:
             table[expert] = slot
         return table
 
+    def slot_weights(self, block: int) -> tuple:
+        """(gate, up, down) the kernels of a block (or the drafter's) read from the slots, in its types."""
+        return tuple(self.slots[m, self.types[block][m]] for m in MATRICES)
+
     def host_weights(self, block: int) -> tuple:
         """(gate, up, down) the kernels read for slot -1: the host copy, or the slots when nothing misses."""
-        source = self.host.get(block, self.slots)
-        return tuple(source[m] for m in MATRICES)
+        if block in self.host:
+            return tuple(self.host[block][m] for m in MATRICES)
+        return self.slot_weights(block)
 
     # ---------------------------------------------------------------------------------------------------
     # the room

@@ -91,9 +91,11 @@ def write_model(path, architecture: str, *, seed: int, types: dict | None = None
     n_expert_shared, n_leading_dense, n_vocab, n_ctx_train, rms_eps, rope_base, expert_weights_scale,
     expert_weights_norm (defaults: a tiny model, `_DEFAULT_SHAPES`), and qk_norm (glm4moe: the q/k head norms
     GLM-4.5 has; qwen3moe always has them). nextn: NextN blocks (glm4moe 1, qwen3moe 0).
-    types: tensor type per role (`attn_q`, `ffn_down_exps`, ...) or group (`experts`: the routed experts,
-    `dense`: every other matrix, `default`), as f32, f16, bf16, q8_0 or q4_0; F32 otherwise. Norms, biases and
-    the router stay F32 unless their own role is named.
+    types: tensor type per tensor name (`blk.1.ffn_down_exps.weight`: one block's, as K-quant mixes store
+    some blocks' tensors in another type), role (`attn_q`, `ffn_down_exps`, ...) or group (`experts`: the
+    routed experts, `dense`: every other matrix, `default`), the first that names a tensor, as f32, f16, bf16,
+    q8_0, q4_0, q4_k or q6_k; F32 otherwise. Norms, biases and the router stay F32 unless their own role or
+    name is named.
     """
     metadata, hp = _describe(architecture, nextn, shape)
     return _write(path, f"stratum synthetic {architecture}", metadata, hp, _Structure(hp, seed, skew).values, types)
@@ -129,7 +131,7 @@ def shape_hparams(architecture: str, nextn: int | None = None, **shape) -> HPara
 def _write(path, name: str, metadata: dict, hp: HParams, values, types: dict | None) -> Path:
     """The GGUF of `hp`'s layout: tensor values from values(name, numpy shape), stored in `types`."""
     shapes = [(tensor, tuple(reversed(gguf_shape))) for tensor, gguf_shape in tensor_layout(hp)]
-    resolve = _type_resolver(types, {tensor_role(tensor) for tensor, _ in shapes})
+    resolve = _type_resolver(types, [tensor for tensor, _ in shapes])
     tensor_types = [resolve(tensor, shape, T.F32) for tensor, shape in shapes]     # refused before a file exists
     path = Path(path)
     writer = GGUFWriter(str(path), hp.architecture)
@@ -216,7 +218,7 @@ def realistic_weights(card, seed: int, skew: float = 1.0, types: dict | None = N
     model = load_model(card)
     hp = model.hparams
     structure = _Structure(hp, seed, skew)
-    resolve = _type_resolver(types, {tensor_role(t.name) for t in model.tensors})
+    resolve = _type_resolver(types, [t.name for t in model.tensors])
     for tensor in model.tensors:
         numpy_shape = tuple(reversed(tensor.shape))
         ggml_type = resolve(tensor.name, numpy_shape, tensor.ggml_type)
@@ -255,12 +257,13 @@ def _describe(architecture: str, nextn: int | None, shape: dict) -> tuple[dict, 
     return metadata, hp
 
 
-def _type_resolver(types: dict | None, roles: set):
-    """(name, numpy shape, fallback type) -> the type a tensor is stored in."""
+def _type_resolver(types: dict | None, names: list):
+    """(name, numpy shape, fallback type) -> the type a tensor of `names` is stored in (`write_model`'s types)."""
     types = dict(types or {})
-    unknown = sorted(set(types) - roles - set(_TYPE_GROUPS))
+    roles = {tensor_role(name) for name in names}
+    unknown = sorted(set(types) - roles - set(names) - set(_TYPE_GROUPS))
     if unknown:
-        raise StratumError(f"unknown tensor role or group {unknown[0]!r}; groups: {', '.join(_TYPE_GROUPS)}; "
+        raise StratumError(f"unknown tensor, tensor role or group {unknown[0]!r}; groups: {', '.join(_TYPE_GROUPS)}; "
                            f"roles: {', '.join(sorted(roles))}", field="types")
     parsed = {}
     for key, text in types.items():
@@ -272,7 +275,9 @@ def _type_resolver(types: dict | None, roles: set):
 
     def resolve(name: str, shape: tuple, fallback: T) -> T:
         role = tensor_role(name)
-        if role in parsed:
+        if name in parsed:
+            ggml_type = parsed[name]
+        elif role in parsed:
             ggml_type = parsed[role]
         elif len(shape) == 1 or role in _F32_ROLES:
             ggml_type = T.F32

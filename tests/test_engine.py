@@ -8,6 +8,7 @@ same promises at real shapes on the H200."""
 
 import numpy as np
 import pytest
+from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower import cuda as shim
 from codegen.lower.cuda import CapturedGraph
@@ -187,20 +188,33 @@ def test_bad_requests_are_refused_and_the_engine_stays_usable(folder, model, rng
     assert out.tokens == [int(np.argmax(want))]
 
 
-def test_k_quant_weights_give_the_references_greedy_tokens(folder, tmp_path, rng):
+def test_a_q4_k_m_type_mix_gives_the_references_greedy_tokens(folder, tmp_path, rng):
     """A model with a Q4_K_M file's types where its rows allow (K-quant rows are whole 256-value blocks: the
-    attention output in Q4_K, the routed experts' down projections in Q6_K), 6 of its 8 experts only in the
-    host copy: the reference's greedy tokens and logits."""
-    model = write_model(tmp_path / "k-quants.gguf", "qwen3moe", seed=7, n_trunk=1, n_head=4, n_head_kv=2,
-                        head_dim=64, n_ff_exp=256, types={"attn_output": "q4_k", "ffn_down_exps": "q6_k"})
-    plan = plan_for(folder, model, 1300)
-    assert plan.knobs["expert_cache_slots"][0] == 2
+    attention output in Q4_K; the routed experts' down projections in Q6_K in block 0 and Q4_K in block 1, as
+    Q4_K_M gives some blocks more bits), 2 of each block's 8 experts cached and the rest in the host copy, so
+    slots of one size serve both types: the reference's greedy tokens and logits."""
+    model = write_model(tmp_path / "k-quants.gguf", "qwen3moe", seed=7, n_trunk=2, n_head=4, n_head_kv=2,
+                        head_dim=64, n_ff_exp=256, types={"attn_output": "q4_k", "ffn_down_exps": "q6_k",
+                                                          "blk.1.ffn_down_exps.weight": "q4_k"})
+    plan = plan_for(folder, model, 2000)
+    assert plan.knobs["expert_cache_slots"][0] == 4
     prompt = rng.integers(0, 96, size=5).tolist()
     with Engine(plan, model, progress=False) as engine:
+        assert [w.ggml_type for w in engine.experts.slot_weights(1)] == [T.F32, T.F32, T.Q4_K]
+        assert engine.experts.slot_weights(0)[2].ggml_type == T.Q6_K
         out = engine.generate(prompt, max_new_tokens=2, return_logits=True)
     want = reference.forward(model, prompt + out.tokens[:-1])[len(prompt) - 1:]
     assert out.tokens == [int(np.argmax(row)) for row in want]
     assert np.linalg.norm(out.logits - want) / np.linalg.norm(want) < 1e-4
+
+
+def test_a_gate_and_up_of_two_types_are_refused_before_anything_is_allocated(tmp_path, monkeypatch):
+    model = write_model(tmp_path / "mixed.gguf", "qwen3moe", seed=7, n_trunk=1, types={"ffn_up_exps": "q8_0"})
+    plan = plan_for(tmp_path, model, 1300)
+    monkeypatch.setattr(engine_module, "DeviceArena", None)     # an allocation would fail loudly
+    with pytest.raises(StratumError, match=r"mixed.gguf: blk.0.ffn_gate_exps.weight is F32 but "
+                                           r"blk.0.ffn_up_exps.weight is Q8_0: the SwiGLU kernel reads"):
+        Engine(plan, model, progress=False)
 
 
 def test_a_file_with_a_type_no_kernel_reads_is_refused_before_anything_is_allocated(tmp_path, monkeypatch):
