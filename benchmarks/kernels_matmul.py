@@ -2,7 +2,10 @@
 each checked against the float64 reference and timed), then the production kernels of
 `codegen.lower.matmul` / `codegen.lower.moe` against the ceilings `runtime.ceilings` measures in the same run.
 
-    NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/kernels_matmul.py
+    NUMBA_ENABLE_CUDASIM=0 python3 benchmarks/kernels_matmul.py [SECTION ...] [--types Q8_0,Q4_K]
+        [--shapes 12288x4096,4096x12288]
+
+(sections: every one by default; --types and --shapes narrow the decode table, n_out x n_in)
 
 Timing: kernels are captured into a CUDA graph (as the runtime replays a decode step) and the graph replayed,
 so a figure is the kernel plus its ~1 us graph node, not Python's launch cost; each launch in the graph reads
@@ -21,7 +24,7 @@ full rate), declared with `cuda.declare_device`; kept behind `codegen/lower/cuda
 simulator a numpy version of the same fragment so CI still runs every kernel.
 """
 
-import sys
+import argparse
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
@@ -37,6 +40,7 @@ from runtime.synthetic import random_packed
 
 L2_DEFEAT_BYTES = 256 << 20     # weight copies a timed graph cycles through, at least
 MIN_LAUNCHES = 8                # launches per timed graph, at least
+DECODE_TYPES = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
 DECODE_SHAPES = [(2048, 768), (768, 2048), (4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096)]
 LARGE = 4096 * 4096             # weights of at least this many values are "large" (the >= 70% target)
 PREFILL_SHAPES = [(4096, 4096), (2048, 768)]
@@ -336,10 +340,10 @@ def prefill_versions(rng, peak):
 # production kernels
 
 
-def decode_table(rng, bandwidth):
+def decode_table(rng, bandwidth, types=DECODE_TYPES, shapes=DECODE_SHAPES):
     rows = []
-    for ggml_type in (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K):
-        for n_out, n_in in DECODE_SHAPES:
+    for ggml_type in types:
+        for n_out, n_in in shapes:
             packed = random_packed((n_out, n_in), ggml_type, rng)
             copies = copies_for(packed.nbytes)
             device = [weights.upload(packed) for _ in range(copies)]
@@ -576,6 +580,16 @@ def theoretical_fp32_flops():
 
 
 def main():
+    sections = ["decode-versions", "decode-sweep", "decode", "moe", "moe-sweep", "moe-prefill", "prefill-versions",
+                "prefill"]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sections", nargs="*", choices=sections, default=sections)
+    parser.add_argument("--types", default=",".join(t.name for t in DECODE_TYPES), help="the decode table's types")
+    parser.add_argument("--shapes", default=",".join(f"{o}x{i}" for o, i in DECODE_SHAPES),
+                        help="the decode table's shapes, n_out x n_in")
+    args = parser.parse_args()
+    decode_types = [T[name] for name in args.types.split(",")]
+    decode_shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     rng = np.random.default_rng(2026)
     bandwidth, peak, theoretical = read_bandwidth_bytes_per_s(), fp32_peak_flops(), theoretical_fp32_flops()
     device = cuda.get_current_device()
@@ -583,17 +597,16 @@ def main():
           f"{peak / 1e12:.1f} TFLOP/s measured" + (f", {theoretical / 1e12:.1f} theoretical "
                                                    f"({device.MULTIPROCESSOR_COUNT} SMs x 128 lanes x 2 x clock)"
                                                    if theoretical else ""))
-    sections = {"decode-versions": lambda: decode_versions(rng, bandwidth),
-                "decode-sweep": lambda: decode_sweep(rng, bandwidth),
-                "decode": lambda: decode_table(rng, bandwidth),
-                "moe": lambda: moe_decode_step(rng, bandwidth),
-                "moe-sweep": lambda: moe_decode_step(rng, bandwidth, sweep=True),
-                "moe-prefill": lambda: moe_prefill(rng, peak),
-                "prefill-versions": lambda: prefill_versions(rng, peak),
-                "prefill": lambda: prefill_table(rng, peak, theoretical)}
-    chosen = sys.argv[1:] or list(sections)
-    for name in chosen:
-        sections[name]()
+    run = {"decode-versions": lambda: decode_versions(rng, bandwidth),
+           "decode-sweep": lambda: decode_sweep(rng, bandwidth),
+           "decode": lambda: decode_table(rng, bandwidth, decode_types, decode_shapes),
+           "moe": lambda: moe_decode_step(rng, bandwidth),
+           "moe-sweep": lambda: moe_decode_step(rng, bandwidth, sweep=True),
+           "moe-prefill": lambda: moe_prefill(rng, peak),
+           "prefill-versions": lambda: prefill_versions(rng, peak),
+           "prefill": lambda: prefill_table(rng, peak, theoretical)}
+    for name in args.sections:
+        run[name]()
 
 
 if __name__ == "__main__":
