@@ -143,6 +143,8 @@ def main():
                         help="the Qwen3-30B-A3B shape (random weights, --layers blocks, random prompts) or the "
                         "trained demo model (its own weights, held-out Python source as prompts)")
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--card", default=CARD, help=f"the Qwen shape's bundled model card, its types (default "
+                        f"{CARD}; e.g. qwen3-30b-a3b-q4_k_m)")
     parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS_GB), help="GB (the Qwen shape)")
     parser.add_argument("--prompts", type=int, nargs="+", help=f"prompt tokens (default {PROMPTS}, the demo "
                         f"{DEMO_PROMPTS})")
@@ -164,12 +166,12 @@ def main():
             lengths = args.prompts or DEMO_PROMPTS
             what = f"the demo model ({DEMO_PATH.name}), held-out Python source as prompts"
         else:
-            card, tensors = built_weights(args.layers, folder)
+            card, tensors = built_weights(args.layers, folder, args.card)
             context, prompt, trace_tokens = CONTEXT, random_prompts(rng, load_model(card).hparams.n_vocab), 1024
             budgets = [(f"{gb} GB", budget_profile(Path(args.profile), gb, args.layers, folder)) for gb in args.budgets]
             resident = budget_profile(Path(args.profile), 141, args.layers, folder)
             lengths = args.prompts or PROMPTS
-            what = f"{CARD} shape, {args.layers} blocks, random prompts"
+            what = f"{args.card} shape, {args.layers} blocks, random prompts"
         histogram, (comparison, nodes) = (None, (None, [])) if args.no_trace else traced_histogram(
             resident, card, tensors, args.trace_prompts, args.new_tokens, prompt, trace_tokens, context, lengths)
         if args.json:

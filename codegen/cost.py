@@ -243,10 +243,12 @@ def pass_cost(graph: nx.DiGraph, gpu: GPU, model, blocks, with_globals: tuple = 
                 load_rounds[rep] = load_rounds.get(rep, 0) + decode_load_rounds(model, node)
                 launches[rep] = launches.get(rep, 0) + 1
             continue
+        # a decode matmul reads 4-bit types slower than their bytes (`GPU.decode_weight_rates`)
+        rates = gpu.decode_weight_rates if decode and node["op"] in MATMUL_OPS else ()
         if stands_for == [None]:
-            weights = np.array([weight_bytes], dtype=np.float64)
+            weights = np.array([model.read_bytes(weight_names, rates) if rates else weight_bytes], dtype=np.float64)
         else:
-            weights = model.block_weight_bytes(weight_names, rep, tuple(stands_for))
+            weights = model.block_weight_bytes(weight_names, rep, tuple(stands_for), rates)
         in_moe_block = rep is not None and rep in stands_for and hp.is_moe_layer(rep)
         if tiling is not None:
             cost.tiled.append((tiling, moved, weights, stands_for.index(rep) if in_moe_block else None, fit))

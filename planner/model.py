@@ -91,16 +91,36 @@ class Model:
         """Tensor name -> bytes as stored."""
         return {t.name: t.n_bytes for t in self.tensors}
 
-    def block_weight_bytes(self, weights: tuple, representative: int, blocks: tuple) -> np.ndarray:
+    @cached_property
+    def tensor_type_names(self) -> dict:
+        return {t.name: t.ggml_type.name for t in self.tensors}
+
+    def read_bytes(self, names, rates: tuple = ()) -> float:
+        """Bytes of the tensors `names`; with `rates` (`planner.profile.GPU.decode_weight_rates`), each tensor's
+        bytes over its type's rate: the bytes of Q8_0 weights a decode kernel reads in the same time."""
+        rate = dict(rates)
+        return float(sum(self.tensor_bytes[n] / rate.get(self.tensor_type_names[n], 1.0) for n in names))
+
+    def block_weight_bytes(self, weights: tuple, representative: int, blocks: tuple, rates: tuple = ()) -> np.ndarray:
         """Bytes of a representative block's tensors `weights` as each of `blocks` stores them (blocks of one
-        kind hold the same tensors, each with its own bytes), remembered: the solver prices the same nodes
-        for every candidate pass."""
-        key = (weights, representative, blocks)
+        kind hold the same tensors, each with its own bytes and types: `read_bytes` with `rates`), remembered:
+        the solver prices the same nodes for every candidate pass."""
+        key = (weights, representative, blocks, rates)
         cache = self._block_weight_bytes
         if key not in cache:
-            cache[key] = np.array([sum(self.tensor_bytes[w.replace(f"blk.{representative}.", f"blk.{b}.", 1)]
-                                       for w in weights) for b in blocks], dtype=np.float64)
+            cache[key] = np.array([self.read_bytes([w.replace(f"blk.{representative}.", f"blk.{b}.", 1)
+                                                    for w in weights], rates) for b in blocks], dtype=np.float64)
         return cache[key]
+
+    def expert_read_blob_bytes(self, rates: tuple) -> dict:
+        """Trunk layer -> one routed expert's bytes (`ExpertLayer.blob_bytes`) over their types' decode rates
+        (`read_bytes`)."""
+        blobs: dict[int, float] = {}
+        for t in self.tensors:
+            if self.tensor_class[t.name] == "expert":
+                layer = tensor_layer(t.name)
+                blobs[layer] = blobs.get(layer, 0.0) + self.read_bytes([t.name], rates) / self.hparams.n_expert
+        return blobs
 
     @cached_property
     def _block_weight_bytes(self) -> dict:

@@ -126,6 +126,11 @@ class DeviceCost:
         self.moe_blocks = [b for b in share.blocks if hp.is_moe_layer(b)]
         blob_of = {layer.layer: layer.blob_bytes for layer in model.expert_layers}
         self.blobs = np.array([blob_of[b] for b in self.moe_blocks], dtype=np.float64)
+        # an expert's bytes at Q8_0's decode rate (`GPU.decode_weight_rates`): what a cache hit's read costs
+        self.read_blobs = self.blobs        # (the same array where no rate is measured: its tables are reused)
+        if self.gpu.decode_weight_rates:
+            read_blob_of = model.expert_read_blob_bytes(self.gpu.decode_weight_rates)
+            self.read_blobs = np.array([read_blob_of[b] for b in self.moe_blocks], dtype=np.float64)
         self.mean_blob = float(self.blobs.mean()) if self.moe_blocks else 0.0
         all_pop = workload.popularity(hp.n_expert, hp.n_expert_used, len(model.expert_layers))
         index_of = {layer.layer: i for i, layer in enumerate(model.expert_layers)}
@@ -157,18 +162,29 @@ class DeviceCost:
         return weights_in_l2(self.model, self.share.blocks, self.gpu)
 
     # --- expert tables ---------------------------------------------------------------------------------
-    def _table(self, per_expert: np.ndarray, in_bytes: bool = True) -> SlotTable:
-        """SlotTable of the sum over uncached experts of per_expert[b, e] (times blob[b] when in bytes)."""
+    def _table(self, per_expert: np.ndarray, blobs: np.ndarray | None = None) -> SlotTable:
+        """SlotTable of the sum over uncached experts of per_expert[b, e], times blobs[b] where given."""
         left = _uncached_sums(per_expert)
-        return SlotTable(left * self.blobs[:, None] if in_bytes else left)
+        return SlotTable(left if blobs is None else left * blobs[:, None])
 
     @cached_property
     def step_miss_bytes(self) -> SlotTable:
-        return self._table(self.popularity)
+        return self._table(self.popularity, self.blobs)
+
+    @cached_property
+    def step_miss_read_bytes(self) -> SlotTable:
+        """`step_miss_bytes` at Q8_0's decode rate (`read_blobs`)."""
+        if self.read_blobs is self.blobs:
+            return self.step_miss_bytes
+        return self._table(self.popularity, self.read_blobs)
 
     @cached_property
     def step_expert_bytes(self) -> float:
         return float((self.popularity.sum(axis=1) * self.blobs).sum())
+
+    @cached_property
+    def step_expert_read_bytes(self) -> float:
+        return float((self.popularity.sum(axis=1) * self.read_blobs).sum())
 
     def host_read_blocks(self, tokens: int) -> SlotTable:
         """SlotTable of the chance that a window of `tokens` rows routes a block to an expert it does not cache
@@ -219,8 +235,21 @@ class DeviceCost:
         key = ("window", tokens)
         if key not in self._memo:
             touched = self.touched(tokens)
-            self._memo[key] = (self._table(touched), self._table(touched, in_bytes=False),
+            self._memo[key] = (self._table(touched, self.blobs), self._table(touched),
                                float((touched.sum(axis=1) * self.blobs).sum()), float(touched.sum()))
+        return self._memo[key]
+
+    def window_read_tables(self, tokens: int):
+        """(SlotTable of the uncached experts' bytes, every touched expert's bytes) of a window of `tokens`
+        rows at Q8_0's decode rate (`read_blobs`)."""
+        if self.read_blobs is self.blobs:
+            miss_table, _, touched_bytes, _ = self.window_tables(tokens)
+            return miss_table, touched_bytes
+        key = ("window read", tokens)
+        if key not in self._memo:
+            touched = self.touched(tokens)
+            self._memo[key] = (self._table(touched, self.read_blobs),
+                               float((touched.sum(axis=1) * self.read_blobs).sum()))
         return self._memo[key]
 
     # --- decode ----------------------------------------------------------------------------------------
@@ -237,13 +266,15 @@ class DeviceCost:
         resident = np.minimum(depth, resident_tokens)
         if tokens == 1:
             miss = self.step_miss_bytes.total(cache_slots)
-            total = self.step_expert_bytes
+            hit_read = self.step_expert_read_bytes - self.step_miss_read_bytes.total(cache_slots)
         else:
-            miss_table, _, total, _ = self.window_tables(tokens)
-            miss = miss_table.total(cache_slots)
+            miss = self.window_tables(tokens)[0].total(cache_slots)
+            miss_read_table, total_read = self.window_read_tables(tokens)
+            hit_read = total_read - miss_read_table.total(cache_slots)
         host = g.kernels.decode_host_experts
         link_latency_s = max(0.0, g.zero_copy_latency_s - g.read_latency_s)
-        hits_s = (total - miss) / g.memory_bandwidth_bytes_per_s / cost.expert_efficiency
+        # hits: their bytes at the types' decode rates; misses: at the link's (it binds, not the kernel's decode)
+        hits_s = hit_read / g.memory_bandwidth_bytes_per_s / cost.expert_efficiency
         if host is None:        # uncalibrated: the link's latency beyond device memory's at each round of loads
             experts_s = hits_s + miss / g.zero_copy_read_bytes_per_s / cost.expert_efficiency
             missing_block_s = cost.expert_load_rounds * link_latency_s

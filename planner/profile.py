@@ -9,6 +9,8 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from gguf.constants import GGMLQuantizationType
+
 from planner.document import read_document
 from planner.errors import StratumError
 from planner.units import parse_bytes, parse_count, parse_flops, parse_rate, parse_seconds
@@ -156,10 +158,18 @@ class GPU:
     read_latency_s: float = 0.0           # one dependent load from device memory, past the caches
     zero_copy_latency_s: float = 0.0      # one dependent load from mapped pinned host memory (over the link)
     kernels: Kernels = Kernels()          # this project's kernels measured on this GPU (default: the roofline)
+    # (type name, rate): a decode matmul's read rate for weights of that type, as a share of the rate for Q8_0
+    # weights (the type the decode families are fitted on); a type left out reads at Q8_0's
+    decode_weight_rates: tuple = ()
 
     @property
     def usable_bytes(self) -> int:
         return self.vram_bytes - self.reserved_bytes
+
+    def decode_weight_rate(self, type_name: str) -> float:
+        """A decode kernel reads weights of this type at this share of Q8_0's bytes per second
+        (`decode_weight_rates`; 1 where not measured): 4-bit types cost more instructions per byte."""
+        return dict(self.decode_weight_rates).get(type_name, 1.0)
 
 
 @dataclass(frozen=True)
@@ -187,6 +197,8 @@ class Profile:
                 del figures["kernels"]
             if figures["zero_copy_latency_s"] == figures["read_latency_s"]:     # unmeasured: nothing priced
                 del figures["zero_copy_latency_s"], figures["read_latency_s"]
+            if not figures["decode_weight_rates"]:      # unmeasured: the fingerprint from before they existed
+                del figures["decode_weight_rates"]
         figures = {"gpus": gpus, "host": asdict(self.host)}
         # '0.98 us' and '980 ns' differ in the last bit of a float: hash 12 significant digits
         text = json.dumps(_rounded(figures), sort_keys=True)
@@ -245,7 +257,7 @@ def parse_profile(document, source: str, default_name: str = "profile") -> Profi
 def _parse_gpu(doc, source: str, where: str) -> GPU:
     if not isinstance(doc, dict):
         raise StratumError("expected a mapping of GPU fields", source=source, field=where)
-    _refuse_unknown(doc, set(_GPU_FIELDS) | {"name", "kernels"}, source, where + ".")
+    _refuse_unknown(doc, set(_GPU_FIELDS) | {"name", "kernels", "decode_weight_rates"}, source, where + ".")
     v = _parse_fields(doc, _GPU_FIELDS, source, where + ".")
     if v["reserved"] >= v["vram"]:
         raise StratumError("must be smaller than vram", source=source, field=where + ".reserved")
@@ -260,7 +272,26 @@ def _parse_gpu(doc, source: str, where: str) -> GPU:
                copy_call_s=v["copy_call"], event_call_s=v["event_call"],
                l2_bytes=v["l2"], host_page_table_entry_bytes=v["host_page_table_entry"],
                read_latency_s=v["read_latency"], zero_copy_latency_s=v["zero_copy_latency"],
-               kernels=_parse_kernels(doc.get("kernels", {}), source, where + ".kernels"))
+               kernels=_parse_kernels(doc.get("kernels", {}), source, where + ".kernels"),
+               decode_weight_rates=_parse_weight_rates(doc.get("decode_weight_rates", {}), source,
+                                                       where + ".decode_weight_rates"))
+
+
+def _parse_weight_rates(doc, source: str, where: str) -> tuple:
+    """`decode_weight_rates: {Q4_K: 0.42, Q6_K: 0.31}`: GGML type names, each a positive rate (Q8_0's is 1)."""
+    if not isinstance(doc, dict):
+        raise StratumError("expected a mapping of GGML type names to rates, such as {Q4_K: 0.42}", source=source,
+                           field=where)
+    rates = []
+    for name, rate in doc.items():
+        if str(name).upper() not in GGMLQuantizationType.__members__:
+            raise StratumError("is not a GGML type name (such as Q4_K, Q6_K, Q8_0)", source=source,
+                               field=f"{where}.{name}")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 4:
+            raise StratumError("must be a rate in (0, 4], Q8_0's being 1, such as 0.42", source=source,
+                               field=f"{where}.{name}")
+        rates.append((str(name).upper(), float(rate)))
+    return tuple(sorted(rates))
 
 
 def _parse_kernels(doc, source: str, where: str) -> Kernels:

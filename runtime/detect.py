@@ -4,8 +4,9 @@ Measured, with a line of progress each: free and total device memory (`reserved`
 margin for the modules this project loads), device read bandwidth, the FP32 FMA peak numba code reaches, pinned
 copies each way, a kernel reading mapped host memory (zero-copy), one small copy's latency, a graph node's
 overhead and a kernel launch from Python (`runtime.ceilings`); then the calibration of this project's kernel
-families (`runtime.calibrate`). The profile is written with every figure and how it was measured; a second run
-on the same machine gives figures within a few percent (BENCHMARKS.md shows two).
+families (`runtime.calibrate`) and the decode matmul's rate for each weight type (`runtime.decode_rates`). The
+profile is written with every figure and how it was measured; a second run on the same machine gives figures
+within a few percent (BENCHMARKS.md shows two).
 """
 
 import json
@@ -14,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from codegen.lower.cuda import SIMULATOR, cuda, device_name
@@ -84,6 +86,10 @@ def detect(path: Path, name: str | None = None, calibrate: bool = True, samples:
             samples.parent.mkdir(parents=True, exist_ok=True)
             samples.write_text(json.dumps([sample._asdict() for sample in timed], indent=1))
         document["gpus"][0]["kernels"] = kernels_document(kernels)
+        _write(path, document)
+        from runtime.decode_rates import decode_weight_rates
+        note("the decode matmul's read rate for each weight type, against Q8_0's (the type calibrated above)")
+        document["gpus"][0]["decode_weight_rates"] = decode_weight_rates(np.random.default_rng(2026), note=note)
         _write(path, document)
     load_profile(path)      # what was written reads back
     note(f"wrote {path} in {time.perf_counter() - started:.0f} s")

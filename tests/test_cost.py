@@ -435,3 +435,23 @@ def test_a_short_chunks_attention_takes_its_walk_through_the_context(qwen, rng):
             walk.latency_s + walk.walk_token_s * context, rel=1e-12)
     decode = pass_cost(build_pass(qwen, "decode", 1, KV, layers=representative_layers(qwen.hparams)), gpu, qwen, [0])
     assert decode.attention[0][-1].walk_token_s == 0.0
+
+
+def test_a_decode_matmul_reads_its_weights_at_their_types_rate():
+    """Q4_K_M's attention matrices (Q4_K, a few Q6_K) at a measured Q4_K rate of 0.5: a decode step's dense
+    nodes take exactly the Q4_K matrices' bytes once more at the read bandwidth over the matmul family's
+    efficiency (memory-bound nodes: their bytes take twice as long); the Q6_K ones, the head and the routed
+    experts' arithmetic are unchanged, and prefill's tiles are not priced by the rate."""
+    model = load_model("qwen3-30b-a3b-q4_k_m")
+    gpu = load_profile("h200-141g").gpus[0]
+    rated = dataclasses.replace(gpu, decode_weight_rates=(("Q4_K", 0.5),))
+    blocks = tuple(range(model.hparams.n_trunk))
+    graph = build_pass(model, "decode", 1, KV, layers=representative_layers(model.hparams))
+    plain_cost, rated_cost = (pass_cost(graph, g, model, blocks) for g in (gpu, rated))
+    q4_k_attention = sum(t.n_bytes for t in model.tensors if t.ggml_type.name == "Q4_K"
+                         and t.name.split(".")[-2] in ("attn_q", "attn_k", "attn_v", "attn_output"))
+    extra_s = q4_k_attention / gpu.memory_bandwidth_bytes_per_s / gpu.kernels.decode_matmul.efficiency
+    assert rated_cost.fixed_s - plain_cost.fixed_s == pytest.approx(extra_s, rel=1e-9)
+    assert rated_cost.expert_compute_s() == plain_cost.expert_compute_s()
+    prefill = build_pass(model, "prefill", 512, KV, layers=representative_layers(model.hparams))
+    assert pass_cost(prefill, rated, model, blocks).tiled == pass_cost(prefill, gpu, model, blocks).tiled

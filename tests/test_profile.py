@@ -383,3 +383,41 @@ def test_slower_kernels_predict_slower_decode(tmp_path):
     fast_decode, slow_decode = ([row["tok_s"] for row in plan.predictions["decode"]] for plan in (fast_plan, slow_plan))
     assert all(slow < fast for slow, fast in zip(slow_decode, fast_decode, strict=True))
     assert slow_plan.predictions["prefill"] == fast_plan.predictions["prefill"]
+
+
+def test_decode_weight_rates_read_back_and_keep_the_fingerprint_until_measured(tmp_path):
+    original = load_profile(write(tmp_path, DOC, "a.yaml"))
+    assert original.gpus[0].decode_weight_rate("Q4_K") == 1.0
+    rated = load_profile(write(tmp_path, variant(decode_weight_rates={"q4_k": 0.42, "Q6_K": 0.31}), "b.yaml"))
+    gpu = rated.gpus[0]
+    assert (gpu.decode_weight_rate("Q4_K"), gpu.decode_weight_rate("Q6_K"), gpu.decode_weight_rate("Q8_0")) == (
+        0.42, 0.31, 1.0)
+    assert rated.fingerprint != original.fingerprint
+    assert load_profile(write(tmp_path, variant(decode_weight_rates={}), "c.yaml")).fingerprint == original.fingerprint
+
+
+@pytest.mark.parametrize("rates, field, says", [
+    ({"Q4_K": 0}, "decode_weight_rates.Q4_K", "(0, 4]"),
+    ({"Q4_K": "slow"}, "decode_weight_rates.Q4_K", "(0, 4]"),
+    ({"Q4_KM": 0.4}, "decode_weight_rates.Q4_KM", "not a GGML type name"),
+    ([0.4], "decode_weight_rates", "mapping of GGML type names"),
+])
+def test_bad_decode_weight_rates_are_refused(tmp_path, rates, field, says):
+    message = refused(write(tmp_path, variant(decode_weight_rates=rates)))
+    assert field in message and says in message
+
+
+def test_a_slower_weight_type_predicts_slower_decode_by_its_bytes_share(tmp_path):
+    """A Q4_K_M card's decode at a rate of 0.4 for Q4_K (and 0.3 for Q6_K) is slower than at Q8_0's rate; a
+    rate for a type the card does not hold changes nothing; prefill is unchanged (the rates are the decode
+    family's)."""
+    from planner.search import solve
+
+    plain = write(tmp_path, DOC, "plain.yaml")
+    slow = write(tmp_path, variant(decode_weight_rates={"Q4_K": 0.4, "Q6_K": 0.3}), "slow.yaml")
+    other = write(tmp_path, variant(decode_weight_rates={"Q4_0": 0.5}), "other.yaml")
+    plans = [solve(path, "qwen3-30b-a3b-q4_k_m", context=4096) for path in (plain, slow, other)]
+    decode = [[row["tok_s"] for row in plan.predictions["decode"]] for plan in plans]
+    assert all(s < f for s, f in zip(decode[1], decode[0], strict=True))
+    assert decode[2] == decode[0]
+    assert plans[1].predictions["prefill"] == plans[0].predictions["prefill"]
