@@ -9,6 +9,7 @@ from planner.errors import StratumError
 from planner.profile import KernelFit, bundled_profiles, load_profile
 
 BUNDLED = [
+    "h100-80g",
     "h200-141g",
     "rtx-2060-super-8g",
     "rtx-3090-24g",
@@ -60,7 +61,7 @@ def refused(path) -> str:
 
 # --- bundled profiles -------------------------------------------------------------------------------------------
 
-def test_bundled_profiles_lists_all_seven():
+def test_bundled_profiles_lists_all_eight():
     assert set(BUNDLED) <= set(bundled_profiles())
 
 
