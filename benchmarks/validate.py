@@ -109,7 +109,7 @@ def compare_passes(engine, profile: Path, prompt, lengths) -> tuple[str, list]:
     """The engine's prefill of one chunk of each of `lengths` (those within its chunk), and a decode step after
     it, against the profile's calibration, node family by family (GPU time between events; decode's less the
     events' own cost), and the prefill's wall time: where the prediction of a resident pass parts from it.
-    Printed, and returned as (text, every timed node as a `runtime.calibrate.Sample` dict with its pass and
+    Printed, and returned as (text, every timed node as a `runtime.calibration_fit.Sample` dict with its pass and
     tokens): the summary repeats the text, `--json` keeps the nodes, so a model's fits can be redone offline
     on this model's kernels too."""
     gpu = load_profile(profile).gpus[0]

@@ -30,8 +30,8 @@ PINNED_SHARE = 0.75                # of host RAM that the profile lets stratum p
 def detect(path: Path, name: str | None = None, calibrate: bool = True, samples: Path | None = None,
            note=print) -> Path:
     """Measure this GPU (device 0) and write its profile to `path`; returns the path. `samples`: also write
-    the calibration's timed nodes there (JSON: `runtime.calibrate.Sample`'s fields), so its fits can be
-    examined or redone without the GPU (`runtime.calibrate.fit_families`)."""
+    the calibration's timed nodes there (JSON: `runtime.calibration_fit.Sample`'s fields), so its fits can be
+    examined or redone without the GPU (`runtime.calibration_fit.fit_families`)."""
     if SIMULATOR or not cuda.is_available():
         raise StratumError("--detect measures a real NVIDIA GPU, and none is usable here"
                            + (" (NUMBA_ENABLE_CUDASIM=1 selects the simulator)" if SIMULATOR else

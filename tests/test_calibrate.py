@@ -1,4 +1,4 @@
-"""The calibration's fit (runtime.calibrate.fit): what `stratum profile --detect` writes for a kernel family is
+"""The calibration's fit (runtime.calibration_fit.fit): what `stratum profile --detect` writes for a kernel family is
 the latency and efficiency its nodes' times say. The measuring itself needs a GPU (BENCHMARKS.md)."""
 
 import tempfile
@@ -12,8 +12,8 @@ from codegen.cost import tiled_s, tiled_sm_s
 from codegen.graph import Tiling
 from planner.profile import KernelFit, Kernels, load_profile, parse_profile
 from planner.search import PAGE_TOKENS
-from runtime.calibrate import (CALIBRATION_BLOCKS, FURTHER_TILE_GRID, SMALL_CONTEXTS, SMALL_SHAPE, RingBatches,
-                               Sample, fit, fit_families, fit_tiled, fit_walk, ring_batch_s, sample_s, uncached_plan)
+from runtime.calibrate import CALIBRATION_BLOCKS, SMALL_CONTEXTS, SMALL_SHAPE, RingBatches, ring_batch_s, uncached_plan
+from runtime.calibration_fit import FURTHER_TILE_GRID, Sample, fit, fit_families, fit_tiled, fit_walk, sample_s
 from runtime.detect import kernels_document
 from runtime.synthetic import reduced_card
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from runtime.calibrate import fit_ring_host
+from runtime.calibration_fit import fit_ring_host
 from runtime.engine import Engine
 from runtime.ring_clock import BlockClock, RingClock
 from tests.test_engine import folder, model, plan_for  # noqa: F401  (fixtures)
