@@ -1,6 +1,6 @@
 """An offline preview of the `decode_host_experts` fit (run 38's detect, which would measure it, got no device):
 run 37's demo decode nodes at 0 and 128 cache slots (`nodes-demo.txt`, an event between nodes) give each expert
-launch's time from the host copy beyond its time from slots; fitted as the detect fits it (`runtime.calibrate.fit`,
+launch's time from the host copy beyond its time from slots; fitted as the detect fits it (`runtime.calibration_fit.fit`,
 the roofline the launch's expert bytes at the bundled profile's zero-copy rate), then written into a copy of the
 bundled profile for `tools/reprice_validation.py`.
 
@@ -16,7 +16,7 @@ import yaml
 from planner.model import load_model
 from planner.profile import Kernels, load_profile
 from plans import HARDWARE_DIR
-from runtime.calibrate import fit
+from runtime.calibration_fit import fit
 from runtime.detect import kernels_document
 from tools.demo import DEMO_PATH
 
