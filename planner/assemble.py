@@ -96,8 +96,20 @@ def predictions(problem: Problem, knobs: Knobs) -> dict:
         decode.append(row)
     objective = request_s(problem, knobs.chunk_tokens, knobs.kv_pages, knobs.ring_slots, list(knobs.cache_slots),
                           knobs.draft_depth)
-    return {"prefill": prefill, "decode": decode, "expert_hit_rate": _sig(hit_rate(problem, knobs)),
-            "request_seconds": _sig(objective)}
+    result = {"prefill": prefill, "decode": decode, "expert_hit_rate": _sig(hit_rate(problem, knobs)),
+              "request_seconds": _sig(objective)}
+    unrated = unrated_decode_types(problem)
+    if unrated:
+        result["unrated_decode_types"] = unrated
+    return result
+
+
+def unrated_decode_types(problem: Problem) -> list[str]:
+    """The model's matrix types, beyond F32 and Q8_0 (what the decode families are calibrated on), that some GPU
+    of the plan has no measured decode rate for (`GPU.decode_weight_rates`): its decode is priced as if they read
+    at Q8_0's rate, which 4-bit types do not (BENCHMARKS.md, run 46)."""
+    return sorted(name for name in problem.model.matrix_type_names - {"F32", "Q8_0"}
+                  if any(name not in dict(share.gpu.decode_weight_rates) for share in problem.shares))
 
 
 def hit_rate(problem: Problem, knobs: Knobs, depth: int | None = None) -> float:

@@ -95,6 +95,11 @@ class Model:
     def tensor_type_names(self) -> dict:
         return {t.name: t.ggml_type.name for t in self.tensors}
 
+    @cached_property
+    def matrix_type_names(self) -> frozenset:
+        """The types of the matrices matmuls read (every 2-D tensor but the embedding table, a lookup)."""
+        return frozenset(t.ggml_type.name for t in self.tensors if len(t.shape) > 1 and t.name != "token_embd.weight")
+
     def read_bytes(self, names, rates: tuple = ()) -> float:
         """Bytes of the tensors `names`; with `rates` (`planner.profile.GPU.decode_weight_rates`), each tensor's
         bytes over its type's rate: the bytes of Q8_0 weights a decode kernel reads in the same time."""

@@ -166,8 +166,17 @@ def _prediction_section(predictions: dict) -> list[str]:
             + ["Decode:"]
             + _indent(_table(["depth", "tok/s", "tok/s without MTP", "best draft depth there"], decode,
                              right={0, 1, 2, 3}))
+            + _unrated_note(predictions.get("unrated_decode_types"))
             + [f"Expert cache hit rate (decode, by bytes): {predictions.get('expert_hit_rate', 0):.1%}",
                f"Expected request: {_number(predictions.get('request_seconds'))} s"])
+
+
+def _unrated_note(types) -> list[str]:
+    if not types:
+        return []
+    return _wrapped(f"Decode reads {', '.join(types)} priced at Q8_0's rate: the profile has no decode_weight_rates "
+                    "for them (stratum profile --detect measures them), and 4-bit types read slower than their "
+                    "bytes, so expect slower decode than this.", "  ", "  ")
 
 
 def _binding_section(plan: Plan) -> list[str]:

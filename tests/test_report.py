@@ -191,3 +191,15 @@ def test_diff_across_gpu_counts(plans, two_gpu_plan):
     for region in two_gpu_plan.devices[1]["regions"]:
         assert f"{region['name']}: added" in text and str(region["bytes"]) in text
     assert "GPU 1: only in a" in diff(two_gpu_plan, plans["small"])
+
+
+def test_show_says_which_types_decode_prices_at_q8_0s_rate_when_the_profile_measured_none():
+    """A Q4_K_M card on the H200 profile (no decode_weight_rates): the plan lists Q4_K and Q6_K as priced at
+    Q8_0's rate, and `show` says so; on the H100 profile, which measured them, and for a Q8_0 card, nothing."""
+    unrated = solve(hardware="h200-141g", model="qwen3-30b-a3b-q4_k_m", context=4096)
+    assert unrated.predictions["unrated_decode_types"] == ["Q4_K", "Q6_K"]
+    flat = " ".join(show(unrated).split())
+    assert "Decode reads Q4_K, Q6_K priced at Q8_0's rate: the profile has no decode_weight_rates" in flat
+    for hardware, model in (("h100-80g", "qwen3-30b-a3b-q4_k_m"), ("h200-141g", "qwen3-30b-a3b-q8_0")):
+        plan = solve(hardware=hardware, model=model, context=4096)
+        assert "unrated_decode_types" not in plan.predictions and "priced at Q8_0's rate" not in show(plan)
