@@ -41,7 +41,7 @@ import sys
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from runtime.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_bytes_per_s
+from runtime.ceilings import fp32_peak_flops, graph_seconds, l2_defeating_copies, read_bandwidth_bytes_per_s
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import attention as att
 from codegen.lower.attention_combine import make_attention_combine
@@ -53,7 +53,6 @@ from runtime.reference import attention as reference_attention, kv_round
 
 QWEN3_30B = dict(n_head=32, n_head_kv=4, dk=128, dv=128, page_tokens=256)
 CONTEXT = 32768
-L2_DEFEAT_BYTES = 256 << 20
 DECODE_KV = ("f16", "q8_0")
 WINDOWS = (1, 4)
 PREFILL_CHUNKS = (512, 2048)
@@ -87,7 +86,7 @@ def relative_error(got, ref) -> float:
 
 class Layers:
     def __init__(self, rng, kv_name: str, context: int, q_rows: int, copies: int = 0):
-        """copies: layers in all (0: as many as cycle L2_DEFEAT_BYTES)."""
+        """copies: layers in all (0: `l2_defeating_copies`)."""
         s = QWEN3_30B
         self.kv_name, self.kv = kv_name, parse_kv_type(kv_name)
         self.context = context
@@ -104,7 +103,7 @@ class Layers:
         self.kv_bytes = context * (row_bytes(s["n_head_kv"] * s["dk"], self.kv.k_type)
                                    + row_bytes(s["n_head_kv"] * s["dv"], self.kv.v_type))
         self.layers = [first] + [pages.allocate(lambda shape, dtype: cuda.device_array(shape, dtype))
-                                 for _ in range((copies or -(-L2_DEFEAT_BYTES // pages.nbytes)) - 1)]
+                                 for _ in range((copies or l2_defeating_copies(pages.nbytes)) - 1)]
         for layer in self.layers[1:]:
             for src, dst in zip(first.arrays(), layer.arrays()):
                 dst.copy_to_device(src)

@@ -29,7 +29,7 @@ import argparse
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from runtime.ceilings import fp32_peak_flops, graph_seconds, read_bandwidth_bytes_per_s
+from runtime.ceilings import fp32_peak_flops, graph_seconds, l2_defeating_copies, read_bandwidth_bytes_per_s
 from codegen.cost import measured_tile_rows_per_pair
 from codegen.graph import moe_groups_length
 from codegen.lower import matmul, matmul_decode, moe, weights
@@ -38,7 +38,6 @@ from codegen.lower.word_formats import FORMATS
 from runtime import reference
 from runtime.synthetic import random_packed
 
-L2_DEFEAT_BYTES = 256 << 20     # weight copies a timed graph cycles through, at least
 MIN_LAUNCHES = 8                # launches per timed graph, at least
 DECODE_TYPES = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
 DECODE_SHAPES = [(2048, 768), (768, 2048), (4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096)]
@@ -64,10 +63,6 @@ def rows_of(packed, index) -> np.ndarray:
     scales = None if packed.scales is None else packed.scales[index]
     part = weights.PackedWeight(packed.ggml_type, (len(index), packed.shape[1]), packed.data[index], scales)
     return weights.dequantize(part)
-
-
-def copies_for(nbytes: int) -> int:
-    return max(1, -(-L2_DEFEAT_BYTES // nbytes))
 
 
 def rel_err(got, ref) -> float:
@@ -193,7 +188,7 @@ def _gemv_v4(x, q32, s, out):
 def decode_versions(rng, bandwidth):
     n_out, n_in = 12288, 4096
     packed = random_packed((n_out, n_in), T.Q8_0, rng)
-    copies = copies_for(packed.nbytes)
+    copies = l2_defeating_copies(packed.nbytes)
     device = [weights.upload(packed) for _ in range(copies)]
     x = cuda.to_device(rng.standard_normal((1, n_in), dtype=np.float32))
     out = cuda.device_array((1, n_out), np.float32)
@@ -345,7 +340,7 @@ def decode_table(rng, bandwidth, types=DECODE_TYPES, shapes=DECODE_SHAPES):
     for ggml_type in types:
         for n_out, n_in in shapes:
             packed = random_packed((n_out, n_in), ggml_type, rng)
-            copies = copies_for(packed.nbytes)
+            copies = l2_defeating_copies(packed.nbytes)
             device = [weights.upload(packed) for _ in range(copies)]
             launch = matmul.make_matmul("decode", ggml_type, n_in, n_out, False)
             placeholder = cuda.to_device(np.zeros(1, np.float32))
@@ -377,7 +372,7 @@ def decode_sweep(rng, bandwidth):
     placeholder = cuda.to_device(np.zeros(1, np.float32))
     for n_out, n_in in [(4096, 4096), (12288, 4096), (151936, 4096)]:
         packed = random_packed((n_out, n_in), T.Q8_0, rng)
-        copies = copies_for(packed.nbytes)
+        copies = l2_defeating_copies(packed.nbytes)
         device = [matmul.words(weights.upload(packed)) for _ in range(copies)]
         x = cuda.to_device(rng.standard_normal((1, n_in), dtype=np.float32))
         out = cuda.device_array((1, n_out), np.float32)

@@ -278,9 +278,9 @@ def _parse_gpu(doc, source: str, where: str) -> GPU:
 
 
 def _parse_weight_rates(doc, source: str, where: str) -> tuple:
-    """`decode_weight_rates: {Q4_K: 0.42, Q6_K: 0.31}`: GGML type names, each a positive rate (Q8_0's is 1)."""
+    """`decode_weight_rates: {Q4_K: 0.375, Q6_K: 0.272}`: GGML type names, each a positive rate (Q8_0's is 1)."""
     if not isinstance(doc, dict):
-        raise StratumError("expected a mapping of GGML type names to rates, such as {Q4_K: 0.42}", source=source,
+        raise StratumError("expected a mapping of GGML type names to rates, such as {Q4_K: 0.375}", source=source,
                            field=where)
     rates = []
     for name, rate in doc.items():
@@ -288,7 +288,7 @@ def _parse_weight_rates(doc, source: str, where: str) -> tuple:
             raise StratumError("is not a GGML type name (such as Q4_K, Q6_K, Q8_0)", source=source,
                                field=f"{where}.{name}")
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 4:
-            raise StratumError("must be a rate in (0, 4], Q8_0's being 1, such as 0.42", source=source,
+            raise StratumError("must be a rate in (0, 4], Q8_0's being 1, such as 0.375", source=source,
                                field=f"{where}.{name}")
         rates.append((str(name).upper(), float(rate)))
     return tuple(sorted(rates))

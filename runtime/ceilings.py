@@ -83,6 +83,14 @@ def read_bandwidth_bytes_per_s() -> float:
     return READ_BYTES / seconds
 
 
+L2_DEFEAT_BYTES = 256 << 20     # bytes of weight (or K/V) copies a timed graph cycles through, at least
+
+
+def l2_defeating_copies(nbytes: int) -> int:
+    """Copies of an `nbytes` array that timed launches cycle through so that L2 (50-60 MiB) holds none of them."""
+    return max(1, -(-L2_DEFEAT_BYTES // nbytes))
+
+
 def graph_seconds(enqueues, repeats: int = 10) -> float:
     """Seconds per item of `enqueues` (each enqueue(stream) launches kernels), all captured into one CUDA graph
     (as the runtime replays a decode step: a figure is the kernels plus ~1 us a node, not Python's launch cost)

@@ -13,14 +13,13 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower import matmul, weights
 from codegen.lower.cuda import cuda
-from runtime.ceilings import graph_seconds
+from runtime.ceilings import graph_seconds, l2_defeating_copies
 from runtime.synthetic import random_packed
 
 # (n_out, n_in): the calibration model's output head (Qwen3-30B-A3B: 2048 wide, the width of its dense
 # matrices), large enough that a launch's latency is a few percent of its time
 RATE_SHAPE = (151936, 2048)
 RATE_TYPES = (T.F16, T.BF16, T.Q4_0, T.Q4_K, T.Q6_K)     # against T.Q8_0
-L2_DEFEAT_BYTES = 256 << 20     # weight copies the timed launches cycle through, at least
 LAUNCHES = 8                    # launches per timed graph, at least
 REPLAYS = 10                    # times the graph is replayed
 
@@ -29,10 +28,10 @@ def read_bytes_per_s(ggml_type, rng, shape=RATE_SHAPE, launches: int = LAUNCHES,
                      copies: int | None = None) -> float:
     """Weight bytes per second the production decode matmul reads one token's product of `ggml_type` at: a
     graph of `launches` launches (at least one a weight copy) replayed `replays` times, the launches cycling
-    through `copies` copies of the weights (default: enough to hold L2_DEFEAT_BYTES)."""
+    through `copies` copies of the weights (default: `l2_defeating_copies`)."""
     n_out, n_in = shape
     packed = random_packed(shape, ggml_type, rng)
-    copies = copies or max(1, -(-L2_DEFEAT_BYTES // packed.nbytes))
+    copies = copies or l2_defeating_copies(packed.nbytes)
     device = [weights.upload(packed) for _ in range(copies)]
     launch = matmul.make_matmul("decode", ggml_type, n_in, n_out, False)
     no_bias = cuda.to_device(np.zeros(1, np.float32))

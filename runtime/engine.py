@@ -34,8 +34,8 @@ from codegen.graph import ROUTER_OPS
 from codegen.lower import MAX_WINDOW
 from codegen.lower.cuda import SIMULATOR, CapturedGraph, copy_rows, cuda, kernel_counts
 from codegen.lower.program import arena_layout, lower
-from codegen.lower.weights import iter_gguf
-from planner.architecture import tensor_layer, tensor_role
+from codegen.lower.weights import check_swiglu_types, iter_gguf
+from planner.architecture import tensor_layer
 from planner.errors import StratumError
 from planner.header import read_header
 from planner.kv import parse_kv_type
@@ -45,11 +45,9 @@ from planner.model import load_model
 from planner.predict import MAX_DRAFT_DEPTH
 from runtime.arena import DeviceArena
 from runtime.drafter import Drafter, accepted_drafts, probabilities, speculative_accept
-from runtime.experts import MATRICES, REFRESH_STEPS, ExpertStore
+from runtime.experts import MATRICES, REFRESH_STEPS, ExpertStore, expert_layout
 from runtime.kv_ring import KVRing
 from runtime.progress import Progress
-
-SWIGLU_PAIRS = (("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"), ("ffn_gate_exps", "ffn_up_exps"))
 
 
 @dataclass
@@ -105,14 +103,14 @@ class Engine:
         self.max_tokens = settings["context_tokens"]
         self.rng = np.random.default_rng(seed)
         self.moe_blocks = [b for b in range(self.hp.n_trunk) if self.hp.is_moe_layer(b)]
-        self._check_swiglu_types()      # refused before anything is allocated
-        expert_layout = self._expert_layout()
+        check_swiglu_types(self.model)      # refused before anything is allocated
+        layout = expert_layout(self.model)
         self.arena = DeviceArena(plan)
         self.compute = cuda.stream()
         self._carve_tables(settings["context_tokens"])
         self.kv_ring = KVRing(self.arena, self.tables["page_table"], self.kv, self.hp, self.knobs["kv_pages"],
                               self.knobs["page_tokens"], settings["context_tokens"], self.progress)
-        self.experts = ExpertStore(self.arena, self.tables, self.moe_blocks, *expert_layout,
+        self.experts = ExpertStore(self.arena, self.tables, self.moe_blocks, *layout,
                                    self.model.slot_layout, self.knobs["expert_cache_slots"][0],
                                    self.knobs["prefill_ring_slots"], self.refresh_steps,
                                    self._traced_popularity(settings))
@@ -185,38 +183,6 @@ class Engine:
         carver = self.arena.carver("tables")
         sizes = table_sizes(full_pages, self.hp.n_expert, self.moe_blocks, drafter=self._has_drafter())
         self.tables = {name: carver.array((size // 4,), np.int32) for name, size in sizes.items()}
-
-    def _expert_layout(self) -> tuple[dict, dict]:
-        """(matrix -> (n_expert, rows, cols), block -> {matrix: ggml type}) of the routed experts, the NextN
-        block's too (the planner sizes slots for them all: one slot array holds them). Types may differ between
-        blocks (a Q4_K_M file's Q6_K down projections in some): a slot's parts are sized for the largest
-        (planner.model.SlotLayout), and each block's kernels read its own type."""
-        shapes, types = {}, {}
-        for t in self.model.tensors:
-            if self.model.tensor_class[t.name] not in ("expert", "drafter_expert"):
-                continue
-            matrix, shape = t.name.split(".")[2], tuple(reversed(t.shape))
-            if shapes.setdefault(matrix, shape) != shape:
-                raise StratumError(f"{t.name} has shape {shape} but block experts before it {shapes[matrix]}: the "
-                                   "runtime needs every block's routed experts of one shape")
-            types.setdefault(tensor_layer(t.name), {})[matrix] = t.ggml_type
-        for block, matrices in types.items():
-            if set(matrices) != set(MATRICES):
-                raise StratumError(f"block {block}'s routed experts are {sorted(matrices)}; the runtime reads "
-                                   f"{list(MATRICES)}")
-        return shapes, types
-
-    def _check_swiglu_types(self) -> None:
-        """A SwiGLU kernel reads its gate and up matrices as one type: a file that stores them in two is refused."""
-        types = {t.name: t.ggml_type for t in self.model.tensors}
-        for name, gate in types.items():
-            for gate_role, up_role in SWIGLU_PAIRS:
-                if tensor_role(name) == gate_role:
-                    up_name = name.replace(f".{gate_role}.", f".{up_role}.", 1)
-                    if types.get(up_name, gate) != gate:
-                        raise StratumError(f"{name} is {gate.name} but {up_name} is {types[up_name].name}: the "
-                                           "SwiGLU kernel reads a gate and its up in one type",
-                                           source=str(self.model.source))
 
     def _load_weights(self, tensors) -> None:
         dense = self.arena.carver("dense")

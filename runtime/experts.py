@@ -39,11 +39,33 @@ from codegen.lower.cuda import (copy_into_rows, copy_rows, cuda, event_done, map
                                 mapped_host_view)
 from codegen.lower.moe import range_tiles
 from codegen.lower.weights import DeviceWeight, packed_layout, placeholder_scales
+from planner.architecture import tensor_layer
 from planner.errors import StratumError
 
 MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 REFRESH_STEPS = 16
 PRIOR_ROUTINGS = 1024   # a traced histogram counts as this many of a block's decode routings (~128 tokens at k 8)
+
+
+def expert_layout(model) -> tuple[dict, dict]:
+    """(matrix -> (n_expert, rows, cols), block -> {matrix: ggml type}) of a model's routed experts, the NextN
+    block's too (the planner sizes slots for them all: one slot array holds them). Types may differ between
+    blocks (a Q4_K_M file's Q6_K down projections in some): a slot's parts are sized for the largest
+    (planner.model.SlotLayout), and each block's kernels read its own type."""
+    shapes, types = {}, {}
+    for t in model.tensors:
+        if model.tensor_class[t.name] not in ("expert", "drafter_expert"):
+            continue
+        matrix, shape = t.name.split(".")[2], tuple(reversed(t.shape))
+        if shapes.setdefault(matrix, shape) != shape:
+            raise StratumError(f"{t.name} has shape {shape} but block experts before it {shapes[matrix]}: the "
+                               "runtime needs every block's routed experts of one shape")
+        types.setdefault(tensor_layer(t.name), {})[matrix] = t.ggml_type
+    for block, matrices in types.items():
+        if set(matrices) != set(MATRICES):
+            raise StratumError(f"block {block}'s routed experts are {sorted(matrices)}; the runtime reads "
+                               f"{list(MATRICES)}")
+    return shapes, types
 
 
 @dataclass

@@ -32,6 +32,7 @@ import numpy as np
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from planner.architecture import tensor_role
 from planner.errors import StratumError
 from planner.model import SCALE_BYTES, SCALES_APART, split_bytes
 
@@ -62,6 +63,21 @@ def check_kernel_type(ggml_type: T, shape: tuple) -> None:
     block = max(QUANT_BLOCK, GGML_QUANT_SIZES[ggml_type][0]) if ggml_type in SCALES_APART else 1
     if shape[-1] % block:
         raise StratumError(f"a {ggml_type.name} row of {shape[-1]} values is not whole blocks of {block}")
+
+
+SWIGLU_PAIRS = (("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"), ("ffn_gate_exps", "ffn_up_exps"))
+
+
+def check_swiglu_types(model) -> None:
+    """A SwiGLU kernel reads its gate and up matrices as one type: a model that stores them in two is refused."""
+    types = {t.name: t.ggml_type for t in model.tensors}
+    for name, gate in types.items():
+        for gate_role, up_role in SWIGLU_PAIRS:
+            if tensor_role(name) == gate_role:
+                up_name = name.replace(f".{gate_role}.", f".{up_role}.", 1)
+                if types.get(up_name, gate) != gate:
+                    raise StratumError(f"{name} is {gate.name} but {up_name} is {types[up_name].name}: the SwiGLU "
+                                       "kernel reads a gate and its up in one type", source=str(model.source))
 
 
 def pack(raw: np.ndarray, ggml_type: T, shape: tuple) -> PackedWeight:
