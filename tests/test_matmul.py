@@ -122,6 +122,19 @@ def test_decode_rows_do_not_depend_on_the_window(rng):
     assert_rows_reproduced("decode", T.Q4_0, x, w, alone, [(0, window) for window in range(2, 6)])
 
 
+def test_decode_refuses_groups_wider_than_the_matrix(rng):
+    """A group computes nr consecutive rows (the last group the matrix's last nr), so a matrix needs nr rows."""
+    n_in, n_out = 64, 3
+    _, w, _ = packed_weight(rng, T.Q8_0, (n_out, n_in))
+    data, scales = matmul.words(w)
+    x = cuda.to_device(activations(rng, 1, n_in))
+    assert matmul_decode.decode_shape(FORMATS[T.Q8_0], n_in, n_out, 1).nr <= n_out
+    shape = matmul_decode.decode_shape(FORMATS[T.Q8_0], n_in, n_out, 1)._replace(nr=4)
+    kernel = matmul_decode.decode_kernel(T.Q8_0, n_in, False, False, shape)
+    with pytest.raises(ValueError, match="decode matmul of 3 rows: .* computes 4 rows a group"):
+        kernel(0, x, data, scales, data, scales, x, cuda.to_device(np.zeros((1, n_out), np.float32)))
+
+
 def test_decode_rows_do_not_depend_on_rows_per_group_or_chunks_in_flight(rng):
     """The decode shape's free parameters (weight rows a group owns, chunks a lane holds in flight) change
     which lanes load what, never a row's sum: the kernel picks them per window, and windows must agree."""

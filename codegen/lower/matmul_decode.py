@@ -69,7 +69,7 @@ def decode_shape(fmt: Format, n_in: int, n_out: int, window: int) -> DecodeShape
     tg = group_threads(fmt, n_in, n_out)
     # a lane holds the words of its rows' chunks twice (in flight and applied): Q6_K's 12-word chunks, fewer rows
     nr = max(1, max(2, ROW_VALUES // window) * CHUNK_WORDS // fmt.chunk_words)
-    while not SIMULATOR and nr > 1 and -(-n_out // nr) * tg < 32 * 1024:
+    while nr > n_out or not SIMULATOR and nr > 1 and -(-n_out // nr) * tg < 32 * 1024:
         nr //= 2
     return DecodeShape(tg, 256 // tg, nr, 1, window)
 
@@ -79,9 +79,9 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
     """(dot, reduce) device functions for groups of `tg` lanes over `n_a` rows of matrix a and `n_b` of b,
     compiled for activation windows of up to `window` rows.
 
-    dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc): the lane's partial sums
-      acc[i, r] of weight row i (rows row_a.. of a, then row_b.. of b; clamped to last_*) with activation
-      row xrow[r] of x, r < nx <= window (nothing, not even a load, when nx is 0).
+    dot(wa, sa, wb, sb, row_a, row_b, x, xrow, nx, lane, acc): the lane's partial sums acc[i, r] of weight
+      row i (rows row_a.. of a, then row_b.. of b, all of which must exist: `group_first_row`) with
+      activation row xrow[r] of x, r < nx <= window (nothing, not even a load, when nx is 0).
     reduce(red, g, lane, acc, nx): group g's lanes summed in a fixed tree: totals in red[g, i * window + r, 0]
       (for the group's lanes to read; a warp's shuffles when tg is 32, else a shared-memory tree).
     A sum's operations depend on (type, n_in, tg) only: every window and row count gives bitwise the same.
@@ -176,17 +176,16 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                                                                        U(c * m + g * run_values))
 
     @cuda.jit(device=True, inline=True)
-    def dot(wa, sa, wb, sb, row_a, row_b, last_a, last_b, x, xrow, nx, lane, acc):
+    def dot(wa, sa, wb, sb, row_a, row_b, x, xrow, nx, lane, acc):
         for i in range(nw):
             for r in range(window):
                 acc[i, r] = np.float32(0)
         if nx > 0:
+            # consecutive rows, not each clamped to the matrix: a base address a matrix, not a register pair a
+            # row (ptxas: Q4_0 and Q8_0 from 92-94 to 72 registers, so 3 blocks an SM, not 2)
             woff = cuda.local.array(nw, np.int64)
             for i in range(nw):
-                if i < n_a:
-                    woff[i] = min(row_a + i, last_a)
-                else:
-                    woff[i] = min(row_b + i - n_a, last_b)
+                woff[i] = row_a + i if i < n_a else row_b + i - n_a
             held = cuda.local.array((unroll, nw, cw), np.int32)
             scale = cuda.local.array((unroll, nw, runs), np.float32)
             low = cuda.local.array((unroll, nw, runs), np.float32)
@@ -253,6 +252,19 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
     return dot, warp_reduce if tg == 32 else tree_reduce
 
 
+@cuda.jit(device=True, inline=True)
+def group_first_row(n0, nr, n_rows):
+    """The first of the nr consecutive rows a group computes to give rows n0..: n0, or for the matrix's last
+    group the last nr rows (so `dot` reads no row past the end); rows below n0 are another group's, and not
+    stored. A row's sum is the same whichever group computes it."""
+    return min(n0, n_rows - nr)
+
+
+def check_group_rows(what: str, n_rows: int, nr: int) -> None:
+    if n_rows < nr:
+        raise ValueError(f"{what} of {n_rows} rows: its decode kernel computes {nr} rows a group (at most the rows)")
+
+
 @functools.cache
 def decode_rows(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeShape, residual: bool = False):
     """(rows, rows_a_block, red_shape): the decode family's dense kernel body as a device function
@@ -274,19 +286,21 @@ def decode_rows(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeSha
         for r in range(window):
             xrow[r] = r
         acc = cuda.local.array(acc_shape, np.float32)
-        dot(wa, sa, wb, sb, n0, n0, n_out - 1, n_out - 1, x, xrow, nx, lane, acc)
+        first = group_first_row(n0, nr, n_out)
+        dot(wa, sa, wb, sb, first, first, x, xrow, nx, lane, acc)
         reduce(red, g, lane, acc, nx)
         for j in range(lane, nr * window, tg):
             i, r = j // window, j % window
-            if r < nx and n0 + i < n_out:
+            row = first + i
+            if r < nx and row >= n0:
                 value = red[g, j, 0]
                 if swiglu:
                     value = silu(value) * red[g, (nr + i) * window + r, 0]
                 elif bias:
-                    value += b[n0 + i]
+                    value += b[row]
                 if residual:
-                    value += out[r, n0 + i]
-                out[r, n0 + i] = value
+                    value += out[r, row]
+                out[r, row] = value
 
     # a warp's butterfly leaves its totals in lane 0's slot only
     return rows, groups * nr, (groups, (nr + n_b) * window, tg if tg > 32 else 1)
@@ -305,6 +319,7 @@ def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeS
 
     def launch(stream, x, wa, sa, wb, sb, b, out):
         check_aligned("a decode matmul's activations", x)
+        check_group_rows("a decode matmul", out.shape[1], shape.nr)
         launch_kernel(kernel, -(-out.shape[1] // rows_a_block), shape.groups * shape.tg, stream,
                       x, wa, sa, wb, sb, b, out)
     return launch

@@ -46,7 +46,8 @@ from codegen.graph import EXPERT_TILE_ROWS, expert_tiles, tile_cols
 from codegen.lower import MAX_WINDOW, pointwise
 from codegen.lower.cuda import BIDX, IDX, SHARED_ALIGN, SIMULATOR, check_aligned, cuda, launch_kernel
 from codegen.lower.matmul import check, words
-from codegen.lower.matmul_decode import ROW_VALUES, DecodeShape, decode_core, window_rows
+from codegen.lower.matmul_decode import (ROW_VALUES, DecodeShape, check_group_rows, decode_core, group_first_row,
+                                         window_rows)
 from codegen.lower.matmul_prefill import BK, BN, PAD, THREADS, W_TILE, prefill_core
 from codegen.lower.pointwise import WARP, silu
 from codegen.lower.word_formats import FORMATS
@@ -252,6 +253,7 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
     gate/up; expert e's rows come from the slot arrays (g*, u*) at slot_of[e], or the host arrays (hg*, hu*)
     at e when slot_of[e] < 0."""
     tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
+    check_group_rows("an expert's gate and up", n_ff, nr)
     dot, reduce = decode_core(ggml_type, n_in, nr, nr, tg, shape.unroll, window)
     red_shape, acc_shape = (groups, 2 * nr * window, tg), (2 * nr, window)
 
@@ -276,12 +278,13 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
         n0 = ((cuda.blockIdx.x & BIDX) * groups + g) * nr
         wa, sa, wb, sb = _source(slot_of, e, strides, ga, gs, ua, us, hga, hgs, hua, hus)
         acc = cuda.local.array(acc_shape, np.float32)
-        dot(wa, sa, wb, sb, n0, n0, n_ff - 1, n_ff - 1, x, xrow, nx, lane, acc)
+        row0 = group_first_row(n0, nr, n_ff)
+        dot(wa, sa, wb, sb, row0, row0, x, xrow, nx, lane, acc)
         reduce(red, g, lane, acc, nx)
         for j in range(lane, nr * window, tg):
             i, r = j // window, j % window
-            if r < nx and n0 + i < n_ff:
-                act[pair[r], n0 + i] = silu(red[g, j, 0]) * red[g, (nr + i) * window + r, 0]
+            if r < nx and row0 + i >= n0:
+                act[pair[r], row0 + i] = silu(red[g, j, 0]) * red[g, (nr + i) * window + r, 0]
 
     col_blocks = -(-n_ff // (groups * nr))
 
@@ -299,6 +302,7 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
     slot_of[e] < 0); the block's groups take the active experts in turn, then each output sums its row's
     terms in ascending expert id order and adds the sum to out (the residual stream)."""
     tg, groups, nr, window = shape.tg, shape.groups, shape.nr, shape.window
+    check_group_rows("an expert's down projection", n_out, nr)
     dot, reduce = decode_core(ggml_type, n_ff, nr, 0, tg, shape.unroll, window)
     red_shape, dots_shape, acc_shape = (groups, nr * window, tg), (window * k, nr), (nr, window)
     n_pairs = window * k
@@ -315,6 +319,7 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
         active = n_expert + 1 + rows * k
         n_active = grouped[active]
         n0 = (cuda.blockIdx.x & BIDX) * nr
+        row0 = group_first_row(n0, nr, n_out)      # dots[:, i] is row row0 + i
         pair = cuda.local.array(window, np.int64)
         xrow = cuda.local.array(window, np.int64)     # = pair, kept apart: the hot loop indexes it by constants
         acc = cuda.local.array(acc_shape, np.float32)
@@ -331,7 +336,7 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
                     if r < nx:
                         pair[r] = grouped[n_expert + 1 + first + r]
                         xrow[r] = pair[r]
-            dot(wa, sa, wa, sa, n0, 0, n_out - 1, 0, act, xrow, nx, lane, acc)
+            dot(wa, sa, wa, sa, row0, 0, act, xrow, nx, lane, acc)
             reduce(red, g, lane, acc, nx)
             for j in range(lane, nr * window, tg):
                 if j % window < nx:
@@ -352,13 +357,13 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
         cuda.syncthreads()
         for q in range(t, rows * nr, groups * tg):
             r, i = q // nr, q % nr
-            if n0 + i < n_out:
+            if row0 + i >= n0:
                 j = order[r * k]
                 total = route_w[r, j] * dots[r * k + j, i]
                 for m in range(1, k):
                     j = order[r * k + m]
                     total += route_w[r, j] * dots[r * k + j, i]
-                out[r, n0 + i] = out[r, n0 + i] + total
+                out[r, row0 + i] = out[r, row0 + i] + total
 
     blocks = -(-n_out // nr)
 
