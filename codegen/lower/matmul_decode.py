@@ -182,7 +182,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                 acc[i, r] = np.float32(0)
         if nx > 0:
             # consecutive rows, not each clamped to the matrix: a base address a matrix, not a register pair a
-            # row (ptxas: Q4_0 and Q8_0 from 92-94 to 72 registers, so 3 blocks an SM, not 2)
+            # row (ptxas: Q4_0 and Q8_0 from 92-94 to 72-78 registers, 3 blocks an SM, not 2; BENCHMARKS.md run 47)
             woff = cuda.local.array(nw, np.int64)
             for i in range(nw):
                 woff[i] = row_a + i if i < n_a else row_b + i - n_a
