@@ -128,9 +128,9 @@ def test_decode_refuses_groups_wider_than_the_matrix(rng):
     _, w, _ = packed_weight(rng, T.Q8_0, (n_out, n_in))
     data, scales = matmul.words(w)
     x = cuda.to_device(activations(rng, 1, n_in))
-    assert matmul_decode.decode_shape(FORMATS[T.Q8_0], n_in, n_out, 1).nr <= n_out
-    shape = matmul_decode.decode_shape(FORMATS[T.Q8_0], n_in, n_out, 1)._replace(nr=4)
-    kernel = matmul_decode.decode_kernel(T.Q8_0, n_in, False, False, shape)
+    shape = matmul_decode.decode_shape(FORMATS[T.Q8_0], n_in, n_out, 1)
+    assert shape.nr <= n_out
+    kernel = matmul_decode.decode_kernel(T.Q8_0, n_in, False, False, shape._replace(nr=4))
     with pytest.raises(ValueError, match="decode matmul of 3 rows: .* computes 4 rows a group"):
         kernel(0, x, data, scales, data, scales, x, cuda.to_device(np.zeros((1, n_out), np.float32)))
 

@@ -69,7 +69,7 @@ def decode_shape(fmt: Format, n_in: int, n_out: int, window: int) -> DecodeShape
     tg = group_threads(fmt, n_in, n_out)
     # a lane holds the words of its rows' chunks twice (in flight and applied): Q6_K's 12-word chunks, fewer rows
     nr = max(1, max(2, ROW_VALUES // window) * CHUNK_WORDS // fmt.chunk_words)
-    while nr > n_out or not SIMULATOR and nr > 1 and -(-n_out // nr) * tg < 32 * 1024:
+    while nr > n_out or (not SIMULATOR and nr > 1 and -(-n_out // nr) * tg < 32 * 1024):
         nr //= 2
     return DecodeShape(tg, 256 // tg, nr, 1, window)
 
@@ -182,7 +182,8 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                 acc[i, r] = np.float32(0)
         if nx > 0:
             # consecutive rows, not each clamped to the matrix: a base address a matrix, not a register pair a
-            # row (ptxas: Q4_0 and Q8_0 from 92-94 to 72-78 registers, 3 blocks an SM, not 2; BENCHMARKS.md run 47)
+            # row (ptxas: Q4_0 92-94 -> 78 registers, Q8_0 at n_out 4096 92-94 -> 71-72, so 3 blocks an SM, not
+            # 2; BENCHMARKS.md run 47)
             woff = cuda.local.array(nw, np.int64)
             for i in range(nw):
                 woff[i] = row_a + i if i < n_a else row_b + i - n_a
@@ -286,12 +287,12 @@ def decode_rows(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeSha
         for r in range(window):
             xrow[r] = r
         acc = cuda.local.array(acc_shape, np.float32)
-        first = group_first_row(n0, nr, n_out)
-        dot(wa, sa, wb, sb, first, first, x, xrow, nx, lane, acc)
+        row0 = group_first_row(n0, nr, n_out)
+        dot(wa, sa, wb, sb, row0, row0, x, xrow, nx, lane, acc)
         reduce(red, g, lane, acc, nx)
         for j in range(lane, nr * window, tg):
             i, r = j // window, j % window
-            row = first + i
+            row = row0 + i
             if r < nx and row >= n0:
                 value = red[g, j, 0]
                 if swiglu:
