@@ -5,7 +5,12 @@ before any device time is spent.
 
     CUDA_HOME=/usr/local/cuda-13.0 python3 benchmarks/registers.py [--types Q4_K,Q8_0] [--windows 1,4]
 
-Needs libnvvm (under CUDA_HOME) and ptxas; not libnvrtc or a driver.
+Needs libnvvm (under CUDA_HOME) and ptxas; not libnvrtc or a driver. Where `nvdisasm` is found too (PATH,
+CUDA_HOME/bin or $NVDISASM; pip's nvidia-cuda-nvdisasm wheel has one), it also counts the SASS instructions of
+the kernel's main loop (its widest backward branch), divides them by the 16-byte weight loads a lane issues an
+iteration, and gives the weight bytes an SM would read a clock if it issued nothing but that loop at its 4 warp
+instructions a clock: a ceiling to set beside the read bandwidth an SM a clock (an H100's 3.04 TB/s over 132 SMs
+is 11.6 bytes a clock at 1.98 GHz, 13.1 at 1.755).
 """
 
 import argparse
@@ -47,16 +52,35 @@ def decode_ptx(ggml_type, n_in: int, n_out: int, window: int):
     return ptx, shape
 
 
-def registers(ptxas: str, ptx: str) -> tuple:
-    """(registers, spill store bytes) that ptxas reports for the PTX."""
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as file:
-        file.write(ptx)
-        file.flush()
-        report = subprocess.run([ptxas, f"-arch=sm_{ARCH[0]}{ARCH[1]}", "-v", file.name, "-o", os.devnull],
+def registers(ptxas: str, ptx: str, nvdisasm: str | None = None) -> tuple:
+    """(registers, spill store bytes, SASS instructions of the main loop or None) for the PTX: ptxas's report,
+    and nvdisasm's listing of the cubin where nvdisasm is given."""
+    with tempfile.TemporaryDirectory() as folder:
+        source, cubin = os.path.join(folder, "kernel.ptx"), os.path.join(folder, "kernel.cubin")
+        with open(source, "w") as file:
+            file.write(ptx)
+        report = subprocess.run([ptxas, f"-arch=sm_{ARCH[0]}{ARCH[1]}", "-v", source, "-o", cubin],
                                 capture_output=True, text=True, check=True).stderr
+        listing = (subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+                   if nvdisasm else None)
     used = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
-    return int(used.group(1)), int(spills.group(1)) if spills else 0
+    return int(used.group(1)), int(spills.group(1)) if spills else 0, listing and loop_instructions(listing)
+
+
+def loop_instructions(listing: str) -> int:
+    """Instructions between a label and the farthest branch back to it in an nvdisasm listing (0: no loop)."""
+    labels, widest, count = {}, 0, 0
+    for line in listing.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = count
+        elif re.match(r"\s*/\*[0-9a-f]{4,}\*/", line):
+            count += 1
+            target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+            if target and target.group(1) in labels:
+                widest = max(widest, count - labels[target.group(1)])
+    return widest
 
 
 def main(argv=None) -> int:
@@ -69,19 +93,27 @@ def main(argv=None) -> int:
     if not os.path.exists(ptxas):
         print(f"no ptxas on PATH or under CUDA_HOME={home}", file=sys.stderr)
         return 2
+    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or os.path.join(home, "bin", "nvdisasm")
+    nvdisasm = nvdisasm if os.path.exists(nvdisasm) else None
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
     _without_nvrtc()
+    from codegen.lower.word_formats import FORMATS
     print(f"{'type':6} {'n_in':>6} {'n_out':>6} {'window':>6} {'tg':>4} {'rows':>4} {'regs':>5} {'spill B':>7}"
-          f" {'blocks/SM':>9}")
+          f" {'blocks/SM':>9}" + (f" {'loop':>5} {'per 16 B':>8} {'B/clk/SM':>10}" if nvdisasm else ""))
     for name in args.types.split(","):
         for window in map(int, args.windows.split(",")):
             for n_in, n_out in SHAPES:
                 ptx, shape = decode_ptx(T[name], n_in, n_out, window)
-                regs, spill = registers(ptxas, ptx)
+                regs, spill, loop = registers(ptxas, ptx, nvdisasm)
                 threads = shape.tg * shape.groups
                 blocks = 65536 // (-(-regs // 8) * 8 * threads)       # the register file: 64K a SM
+                fmt = FORMATS[T[name]]
+                loads = shape.nr * shape.unroll * fmt.chunk_words // 4      # 16-byte loads a lane, an iteration
+                looped = fmt.row_words(n_in) // fmt.chunk_words > shape.tg * shape.unroll
+                issue = (f" {loop:5} {loop / loads:8.0f} {4 * 32 * 16 * loads / loop:10.1f}" if looped
+                         else f" {'-':>5} {'-':>8} {'-':>10}")      # one chunk a lane: no loop to count
                 print(f"{name:6} {n_in:6} {n_out:6} {window:6} {shape.tg:4} {shape.nr:4} {regs:5} {spill:7}"
-                      f" {blocks:9}", flush=True)
+                      f" {blocks:9}" + (issue if nvdisasm else ""), flush=True)
     return 0
 
 
