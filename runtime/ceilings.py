@@ -7,6 +7,8 @@
   pinned_copy_bytes_per_s(), zero_copy_read_bytes_per_s(): the host links, copied (either way) and read in
       place; copy_latency_s(): one small pinned copy's fixed cost; read_latency_s(),
       zero_copy_read_latency_s(): one dependent load from device memory and from mapped host memory (a chase);
+  read_seconds(nbytes): the same kernel reading nbytes once, a node of a replayed graph (a short read's ramp
+      and drain included: the ceiling of a kernel that reads that many bytes);
   graph_seconds(): kernels timed as a replayed CUDA graph; graph_node_overhead_s(): one empty node's cost there;
   kernel_launch_s(): host time to issue one kernel from Python (`launch_kernel`); copy_call_s(), event_call_s():
       host time of the prefill ring's other calls, an expert matrix's copy and an event's record or wait;
@@ -107,6 +109,20 @@ def graph_seconds(enqueues, repeats: int = 10) -> float:
         return time_s(lambda: graph.replay(cuda.default_stream()), repeats, warmup=2) / len(enqueues)
     finally:
         graph.close()
+
+
+def read_seconds(nbytes: int) -> float:
+    """Seconds of `_read_kernel` reading `nbytes` of device memory, a node of a replayed graph that cycles
+    through enough copies that L2 holds none: what a kernel reading that many bytes once can reach, the launch's
+    ramp and drain included, which a 4 GiB read hides."""
+    copies = l2_defeating_copies(nbytes)
+    buffers = [cuda.device_array(-(-nbytes // 16) * 4, np.int32) for _ in range(copies)]
+    for words in buffers:
+        words[:] = 1
+    out = cuda.device_array(1, np.int32)
+    grid = cuda.get_current_device().MULTIPROCESSOR_COUNT * 8
+    return graph_seconds([lambda stream, words=words: launch_kernel(_read_kernel, grid, 512, stream, words, out)
+                          for words in buffers * -(-8 // copies)])
 
 
 def pinned_copy_bytes_per_s(nbytes: int = 1 << 30, to_device: bool = True) -> float:
