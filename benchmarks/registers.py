@@ -28,9 +28,12 @@ ARCH = (9, 0)
 
 
 def _without_nvrtc():
-    """numba asks libnvrtc which architectures it supports before compiling PTX; answer without it."""
+    """numba asks libnvrtc which architectures it supports before compiling PTX; answer without it (and
+    whether kernels may overlap, which would ask the driver for the GPU)."""
     from numba.cuda import cuda_paths
     from numba.cuda.cudadrv import nvrtc
+    from codegen.lower import cuda
+    cuda.kernels_overlap = lambda: ARCH >= (9, 0)
     nvrtc.get_supported_ccs = lambda: ((8, 0), ARCH)
     cuda_paths._get_nvrtc_path = lambda: cuda_paths._env_path_tuple("none", None)
 
@@ -110,10 +113,11 @@ def main(argv=None) -> int:
                 fmt = FORMATS[T[name]]
                 loads = shape.nr * shape.unroll * fmt.chunk_words // 4      # 16-byte loads a lane, an iteration
                 looped = fmt.row_words(n_in) // fmt.chunk_words > shape.tg * shape.unroll
-                issue = (f" {loop:5} {loop / loads:8.0f} {4 * 32 * 16 * loads / loop:10.1f}" if looped
+                issue = ("" if not nvdisasm
+                         else f" {loop:5} {loop / loads:8.0f} {4 * 32 * 16 * loads / loop:10.1f}" if looped
                          else f" {'-':>5} {'-':>8} {'-':>10}")      # one chunk a lane: no loop to count
                 print(f"{name:6} {n_in:6} {n_out:6} {window:6} {shape.tg:4} {shape.nr:4} {regs:5} {spill:7}"
-                      f" {blocks:9}" + (issue if nvdisasm else ""), flush=True)
+                      f" {blocks:9}" + issue, flush=True)
     return 0
 
 

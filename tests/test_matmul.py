@@ -10,7 +10,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import prefill_tiling
 from codegen.lower import MAX_WINDOW, matmul, matmul_decode, matmul_prefill, weights
-from codegen.lower.cuda import cuda
+from codegen.lower.cuda import CapturedGraph, cuda, kernels_overlap
 from codegen.lower.word_formats import FORMATS
 from planner.model import split_bytes
 from runtime import reference
@@ -307,6 +307,58 @@ def test_gpu_real_shape(rng, family, ggml_type):
                          ids=["qwen3-30b", "glm-4.5-air"])
 def test_gpu_qkv_real_shapes(rng, n_in, n_q, n_kv, with_bias, rows):
     check_qkv(rng, n_in, [(T.Q8_0, n_q, with_bias), (T.Q8_0, n_kv, with_bias), (T.Q8_0, n_kv, with_bias)], rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, MAX_WINDOW])
+def test_gpu_decode_chain_of_overlapping_kernels(rng, rows):
+    """Six decode matmuls (Q4_0, Q8_0, Q4_K), each reading the one before's output and every other one adding
+    into its output as into the residual stream, launched back to back so that each may start while the one
+    before drains (`kernels_overlap`): ten rounds, and ten replays of a captured round, give bitwise what ten
+    rounds give with the GPU synchronised after every launch. Each round changes every output, so a kernel
+    that read its activations, or its residual, before the previous kernel's writes would read the round
+    before's."""
+    if not kernels_overlap():
+        pytest.skip("this GPU runs kernels one after another (compute capability below 9.0)")
+    n = 4096
+    links = []
+    for k, ggml_type in enumerate([T.Q4_0, T.Q8_0, T.Q4_K] * 2):
+        # values ~1/64: a link keeps its input's magnitude
+        w = weights.upload(weights.quantize(rng.standard_normal((n, n)).astype(np.float32) / 64, ggml_type))
+        links.append((matmul.make_matmul("decode", ggml_type, n, n, False, residual=k % 2 == 0), w))
+    start = [activations(rng, rows, n) for _ in range(len(links) + 1)]
+    outputs = [cuda.to_device(values) for values in start]
+    no_bias = cuda.to_device(np.zeros(1, np.float32))
+    stream = cuda.stream()
+
+    def one_round(stream, synchronize=False):
+        for k, (launch, w) in enumerate(links):
+            launch(stream, outputs[k], w, no_bias, outputs[k + 1])
+            if synchronize:
+                stream.synchronize()
+
+    def ten_rounds(run_round):
+        for output, values in zip(outputs, start):
+            output.copy_to_device(values, stream=stream)
+        stream.synchronize()
+        for _ in range(10):
+            run_round(stream)
+        stream.synchronize()
+        return [output.copy_to_host() for output in outputs]
+
+    one_round(stream, synchronize=True)     # every kernel compiled before the capture
+    once = outputs[-1].copy_to_host()
+    expected = ten_rounds(lambda s: one_round(s, synchronize=True))
+    assert np.isfinite(expected[-1]).all() and not np.array_equal(expected[-1], once)
+    back_to_back = ten_rounds(one_round)
+    graph = CapturedGraph(one_round, stream)
+    try:
+        replayed = ten_rounds(graph.replay)
+    finally:
+        graph.close()
+    for k in range(1, len(outputs)):
+        np.testing.assert_array_equal(back_to_back[k], expected[k], err_msg=f"link {k - 1}, back to back")
+        np.testing.assert_array_equal(replayed[k], expected[k], err_msg=f"link {k - 1}, graph replay")
 
 
 @pytest.mark.parametrize("n_in, n_out, rows, swiglu", [(256, 96, 1, False), (256, 4096, 200, False),

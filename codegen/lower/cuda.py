@@ -7,6 +7,7 @@ warp-level reductions kernels use (`warp_max`, `warp_sum` in a fixed butterfly o
 here.
 """
 
+import functools
 import gc
 import math
 import weakref
@@ -136,6 +137,53 @@ def better(value, index, best, best_index):
     """Whether (value, index) beats (best, best_index): larger, or equal at a lower index (no branch: the
     router counts these in its inner loop)."""
     return (value > best) | ((value == best) & (index < best_index))
+
+
+@functools.cache
+def kernels_overlap() -> bool:
+    """Whether a kernel may start while the kernel before it on its stream drains (programmatic dependent
+    launch: compute capability 9.0 and later; never in the simulator). `launch_kernel(...,
+    overlap_previous=True)` then lets it in early, and its `wait_for_prior_grids` is where it stops for that
+    kernel's results. A decode step's kernels are short, and each one's launch, ramp and drain leave the memory
+    partly idle (BENCHMARKS.md run 49)."""
+    return not SIMULATOR and cuda.get_current_device().compute_capability >= (9, 0)
+
+
+if SIMULATOR:
+    def wait_for_prior_grids():
+        """0: the simulator runs one kernel at a time."""
+        return 0
+
+    def let_dependents_launch():
+        """Nothing: the simulator runs one kernel at a time."""
+else:
+    @_intrinsic
+    def wait_for_prior_grids(typingctx):
+        """Wait until the kernel before this one on its stream has finished and its writes are visible (at
+        once unless this kernel was launched to overlap it), and return int32 0: a kernel adds it to the
+        indices of what that kernel wrote, so that no load of those can be moved above the wait. Where kernels
+        cannot overlap (`kernels_overlap`), only the constant 0."""
+        def codegen(context, builder, sig, args):
+            if not kernels_overlap():
+                return _ir.Constant(_ir.IntType(32), 0)
+            wait = _ir.InlineAsm(_ir.FunctionType(_ir.IntType(32), []),
+                                 "griddepcontrol.wait;\n\tmov.u32 $0, 0;", "=r", side_effect=True)
+            return builder.call(wait, [])
+        return _numba_types.int32(), codegen
+
+    @_intrinsic
+    def let_dependents_launch(typingctx):
+        """Let the next kernel on the stream start (if launched to overlap this one) once every block of this
+        one has passed here. Kernels call it after `wait_for_prior_grids`: at most two kernels then share the
+        GPU, one draining and one ramping up (run 49's kernels that let the next in at their start slowed the
+        smallest shape 2x). Nothing where kernels cannot overlap."""
+        def codegen(context, builder, sig, args):
+            if kernels_overlap():
+                trigger = _ir.InlineAsm(_ir.FunctionType(_ir.VoidType(), []), "griddepcontrol.launch_dependents;",
+                                        "", side_effect=True)
+                builder.call(trigger, [])
+            return context.get_dummy_value()
+        return _numba_types.void(), codegen
 
 
 if SIMULATOR:
@@ -284,7 +332,7 @@ def mapped_host_view(array):
     return np.ndarray.view(array, np.ndarray) if isinstance(array, np.ndarray) else array
 
 
-def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
+def launch_kernel(kernel, griddim, blockdim, stream, *args, overlap_previous: bool = False) -> None:
     """kernel[griddim, blockdim, stream](*args), with what numba redoes on every call done once: numba types
     and marshals each argument and finds the compiled kernel at each launch (about 12 us an array, 250 us for
     a MoE kernel's 17), which dominated prefill's expert batches launched from Python. Here each device array
@@ -292,7 +340,11 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
     argument types' identities; the parameters go to the driver's cuLaunchKernel as one reused buffer of
     8-byte slots (cuda.core's launch wrapped them and the stream anew each call: about 30 us a launch of a
     MoE kernel's 115 parameters, BENCHMARKS.md). A kernel's first launch for its argument types loads it from
-    the disk cache (`kernel_cache`) or compiles it and stores it there."""
+    the disk cache (`kernel_cache`) or compiles it and stores it there.
+
+    overlap_previous: the kernel may start while the previous kernel on the stream drains, where
+    `kernels_overlap`; it must then call `wait_for_prior_grids` before it reads or writes anything that kernel
+    writes or reads (a graph captured from the stream keeps the same overlap)."""
     if SIMULATOR:
         kernel[griddim, blockdim, stream](*args)
         return
@@ -324,10 +376,32 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
     dims = _dims_of.get(shape)
     if dims is None:
         dims = _dims_of[shape] = (*_dims(griddim), *_dims(blockdim))
-    err, = _driver.cuLaunchKernel(found[0], *dims, 0, _stream_handle(stream), pointers.ctypes.data, 0)
+    if overlap_previous and kernels_overlap():
+        err, = _driver.cuLaunchKernelEx(_overlapping_config(dims, stream), found[0], pointers.ctypes.data, 0)
+    else:
+        err, = _driver.cuLaunchKernel(found[0], *dims, 0, _stream_handle(stream), pointers.ctypes.data, 0)
     if err != _driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"launching {getattr(kernel, '__name__', kernel)} on grid {griddim} x {blockdim} "
                            f"failed: {err}")
+
+
+def _overlapping_config(dims: tuple, stream):
+    """The launch configuration of a kernel of these dimensions on this stream that may overlap the previous
+    kernel (programmatic stream serialization), made once per (dimensions, stream)."""
+    key = (dims, int(stream.handle) if stream else 0)
+    config = _overlapping_configs.get(key)
+    if config is None:
+        attribute = _driver.CUlaunchAttribute()
+        attribute.id = _driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config = _overlapping_configs[key] = _driver.CUlaunchConfig()
+        (config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX, config.blockDimY,
+         config.blockDimZ) = dims
+        config.sharedMemBytes = 0
+        config.hStream = _stream_handle(stream)
+        config.attrs = [attribute]
+        config.numAttrs = 1
+    return config
 
 
 def kernel_counts() -> dict:
@@ -433,6 +507,7 @@ _functions = {}             # (id(dispatcher), id(each argument's type)...) -> (
 #                             dispatcher)
 _dims_of = {}               # (grid, block) -> the six dimensions cuLaunchKernel takes
 _param_slots = {}           # parameter count -> (uint64 values, their addresses): launch_kernel's buffer
+_overlapping_configs = {}   # (dimensions, stream handle) -> the CUlaunchConfig of an overlapping launch
 _scalar_types = {}          # Python or numpy scalar type -> numba type
 _kernel_counts = {"loaded": 0, "compiled": 0, "compiled, not cached": 0}
 
@@ -536,5 +611,6 @@ class CapturedGraph:
 __all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
            "mapped_device_view", "mapped_filled", "mapped_host_view", "event_done", "launch_kernel", "kernel_counts",
            "copy_rows", "load4", "aligned16", "check_aligned", "f16x2_to_f32", "syncwarp", "warp_max", "warp_sum", "WARP_MAX_VALUES",
-           "better", "free_device_bytes", "SHARED_BYTES", "SHARED_ALIGN", "U", "IDX",
+           "better", "free_device_bytes", "kernels_overlap", "wait_for_prior_grids",
+           "let_dependents_launch", "SHARED_BYTES", "SHARED_ALIGN", "U", "IDX",
            "BIDX"]

@@ -18,7 +18,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower import MAX_WINDOW
 from codegen.lower.cuda import (BIDX, IDX, SHARED_BYTES, SIMULATOR, U, check_aligned, cuda, launch_kernel,
-                                load4, syncwarp, warp_sum)
+                                let_dependents_launch, load4, syncwarp, wait_for_prior_grids, warp_sum)
 from codegen.lower.pointwise import silu
 from codegen.lower.word_formats import FORMATS, Format
 
@@ -81,7 +81,9 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
 
     dot(wa, sa, wb, sb, row_a, row_b, x, xrow, nx, lane, acc): the lane's partial sums acc[i, r] of weight
       row i (rows row_a.. of a, then row_b.. of b, all of which must exist: `group_first_row`) with
-      activation row xrow[r] of x, r < nx <= window (nothing, not even a load, when nx is 0).
+      activation row xrow[r] of x, r < nx <= window (nothing, not even a load, when nx is 0). Its first
+      weights are in flight before it waits for the previous kernel (`wait_for_prior_grids`), which a kernel
+      launched to overlap it must not touch before dot returns; then it lets the next kernel launch.
     reduce(red, g, lane, acc, nx): group g's lanes summed in a fixed tree: totals in red[g, i * window + r, 0]
       (for the group's lanes to read; a warp's shuffles when tg is 32, else a shared-memory tree).
     A sum's operations depend on (type, n_in, tg) only: every window and row count gives bitwise the same.
@@ -198,6 +200,11 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
             part = cuda.local.array((nw, window, runs), np.float32)
             xsum = cuda.local.array(window, np.float32)
             fetch(0, wa, sa, wb, sb, woff, lane, held, scale, low)
+            # the weights are no kernel's output: their first loads overlap the previous kernel's drain. The
+            # wait's 0 joins every later load's index through the lane (one addition; added to each window
+            # row's index it cost Q8_0 16-25 registers at window 4, and a block an SM)
+            lane += wait_for_prior_grids()
+            let_dependents_launch()
             for it in range(0, padded, unroll):
                 # the next chunks' loads go out before these chunks' arithmetic: loads always in flight
                 if it + unroll < padded:
@@ -322,7 +329,7 @@ def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeS
         check_aligned("a decode matmul's activations", x)
         check_group_rows("a decode matmul", out.shape[1], shape.nr)
         launch_kernel(kernel, -(-out.shape[1] // rows_a_block), shape.groups * shape.tg, stream,
-                      x, wa, sa, wb, sb, b, out)
+                      x, wa, sa, wb, sb, b, out, overlap_previous=True)
     return launch
 
 
