@@ -19,6 +19,7 @@ weights take less time to build); an emulated card's usable VRAM shrinks in the 
 
 import argparse
 import cProfile
+import hashlib
 import pstats
 import tempfile
 import time
@@ -162,6 +163,9 @@ def run_plan(name, profile, card, tensors, ceilings, prompt_tokens, new_tokens, 
         # does its time stand for an average step's GPU time (with a partial cache the replay's hits differ
         # from the steps', and the share read -30% to +16% in validation run 17)
         "python overhead": 1 - graph_s / step_s if hit in (0.0, 1.0) else None, "first token s": first_token_s,
+        # the same arguments draw the same prompts: two builds of the engine that compute the same bits print
+        # the same digest
+        "tokens digest": hashlib.sha256(np.asarray(outs[0].tokens, np.int64).tobytes()).hexdigest()[:12],
     }
 
 

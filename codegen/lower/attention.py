@@ -40,7 +40,7 @@ from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import FAMILIES, MAX_WINDOW
 from codegen.lower.attention_decode import make_decode_attention
 from codegen.lower.attention_prefill import make_prefill_attention
-from codegen.lower.cuda import SHARED_BYTES, U, cuda, launch_kernel
+from codegen.lower.cuda import SHARED_BYTES, U, begin_after_prior_grids, cuda, launch_kernel, overlapping
 from codegen.lower.kv_pages import (ELEMENTS_PER_WORD, QUANT_BLOCK, QUANTIZED, check_head_dims,
                                      converted_element_format, element_format, host_arrays, kv_types)
 from planner.errors import StratumError
@@ -323,9 +323,11 @@ def _attention_kernel(decode: bool, k_type: T, v_type: T, group: int, dk: int, d
             run_max[r * G + tid] = new_max[tid]
 
 
+    @overlapping
     @cuda.jit
     def kernel(q, positions, page_table, k_data, k_scales, v_data, v_scales, hk_data, hk_scales, hv_data, hv_scales,
                out):
+        begin_after_prior_grids()
         tid = cuda.threadIdx.x
         block = cuda.blockIdx.x
         if decode:

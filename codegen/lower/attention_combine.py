@@ -12,7 +12,7 @@ import numpy as np
 
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower.attention import NEG_INF
-from codegen.lower.cuda import cuda, launch_kernel
+from codegen.lower.cuda import begin_after_prior_grids, cuda, launch_kernel, overlapping
 
 COMBINE_THREADS = 256     # at most, per block: (dim, run of splits) threads; the simulator runs each thread as
 #                           a Python thread (1024 made CI's simulated decode steps 3x slower)
@@ -34,8 +34,10 @@ def make_attention_combine(n_head: int, head_dim_v: int):
     per_run = splits // runs
     threads = max(runs * dv, WARP_THREADS)
 
+    @overlapping
     @cuda.jit
     def kernel(partials, out):
+        begin_after_prior_grids()
         tid = cuda.threadIdx.x
         row = cuda.blockIdx.x // n_head
         head = cuda.blockIdx.x % n_head

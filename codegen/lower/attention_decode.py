@@ -38,8 +38,8 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import MAX_WINDOW
-from codegen.lower.cuda import (SHARED_BYTES, SIMULATOR, U, WARP_MAX_VALUES, cuda, f16x2_to_f32, launch_kernel,
-                                load4, syncwarp, warp_max, warp_sum)
+from codegen.lower.cuda import (SHARED_BYTES, SIMULATOR, U, WARP_MAX_VALUES, begin_after_prior_grids, cuda,
+                                f16x2_to_f32, launch_kernel, load4, overlapping, syncwarp, warp_max, warp_sum)
 from codegen.lower.kv_pages import QUANT_BLOCK, QUANTIZED, aligned_kernel_arrays, kv_types, page_locator
 from codegen.lower.word_formats import FORMATS
 from planner.errors import StratumError
@@ -191,9 +191,11 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                 for e in range(v_vpw):
                     acc[(h * v_per_lane + i) * v_vpw + e] += p * v_vals[i, e]
 
+    @overlapping
     @cuda.jit
     def kernel(q, positions, page_table, k_data, k_scales, v_data, v_scales, hk_data, hk_scales, hv_data,
                hv_scales, out):
+        begin_after_prior_grids()
         tid = cuda.threadIdx.x
         lane = tid % LANES
         warp = tid // LANES

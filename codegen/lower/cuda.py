@@ -142,11 +142,20 @@ def better(value, index, best, best_index):
 @functools.cache
 def kernels_overlap() -> bool:
     """Whether a kernel may start while the kernel before it on its stream drains (programmatic dependent
-    launch: compute capability 9.0 and later; never in the simulator). `launch_kernel(...,
-    overlap_previous=True)` then lets it in early, and its `wait_for_prior_grids` is where it stops for that
-    kernel's results. A decode step's kernels are short, and each one's launch, ramp and drain leave the memory
-    partly idle (BENCHMARKS.md run 49)."""
+    launch: compute capability 9.0 and later; never in the simulator): kernels marked `overlapping` then do. A
+    decode step's kernels are short, and each one's launch, ramp and drain leave the memory partly idle
+    (BENCHMARKS.md run 49)."""
     return not SIMULATOR and cuda.get_current_device().compute_capability >= (9, 0)
+
+
+def overlapping(kernel):
+    """Mark a kernel (a `cuda.jit` dispatcher) as one whose every thread calls `wait_for_prior_grids` before it
+    reads or writes anything another kernel writes or reads, and `let_dependents_launch` after: `launch_kernel`
+    then lets it start while the kernel before it on its stream drains, where `kernels_overlap`. Its blocks
+    are resident and waiting when that kernel ends, so its launch costs no gap (a graph captured from the
+    stream keeps the same overlap)."""
+    kernel.overlaps_previous = True
+    return kernel
 
 
 if SIMULATOR:
@@ -184,6 +193,14 @@ else:
                 builder.call(trigger, [])
             return context.get_dummy_value()
         return _numba_types.void(), codegen
+
+
+@cuda.jit(device=True, inline=True)
+def begin_after_prior_grids():
+    """The first statement of an `overlapping` kernel with nothing to do before the previous kernel's end:
+    `wait_for_prior_grids`, then `let_dependents_launch`."""
+    wait_for_prior_grids()
+    let_dependents_launch()
 
 
 if SIMULATOR:
@@ -332,7 +349,7 @@ def mapped_host_view(array):
     return np.ndarray.view(array, np.ndarray) if isinstance(array, np.ndarray) else array
 
 
-def launch_kernel(kernel, griddim, blockdim, stream, *args, overlap_previous: bool = False) -> None:
+def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
     """kernel[griddim, blockdim, stream](*args), with what numba redoes on every call done once: numba types
     and marshals each argument and finds the compiled kernel at each launch (about 12 us an array, 250 us for
     a MoE kernel's 17), which dominated prefill's expert batches launched from Python. Here each device array
@@ -340,11 +357,8 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args, overlap_previous: bo
     argument types' identities; the parameters go to the driver's cuLaunchKernel as one reused buffer of
     8-byte slots (cuda.core's launch wrapped them and the stream anew each call: about 30 us a launch of a
     MoE kernel's 115 parameters, BENCHMARKS.md). A kernel's first launch for its argument types loads it from
-    the disk cache (`kernel_cache`) or compiles it and stores it there.
-
-    overlap_previous: the kernel may start while the previous kernel on the stream drains, where
-    `kernels_overlap`; it must then call `wait_for_prior_grids` before it reads or writes anything that kernel
-    writes or reads (a graph captured from the stream keeps the same overlap)."""
+    the disk cache (`kernel_cache`) or compiles it and stores it there. A kernel marked `overlapping` may
+    start while the previous kernel on the stream drains."""
     if SIMULATOR:
         kernel[griddim, blockdim, stream](*args)
         return
@@ -364,7 +378,8 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args, overlap_previous: bo
     found = _functions.get(key)
     if found is None:       # the types and dispatcher are kept alive, so their ids stay theirs
         function = _kernel_function(kernel, tuple(types))
-        found = _functions[key] = function.handle, function, tuple(types), kernel
+        overlaps = getattr(kernel, "overlaps_previous", False) and kernels_overlap()
+        found = _functions[key] = function.handle, function, tuple(types), kernel, overlaps
     slots = _param_slots.get(len(params))
     if slots is None:       # values, and the pointer to each that the driver reads
         values = np.zeros(len(params), np.uint64)
@@ -376,7 +391,7 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args, overlap_previous: bo
     dims = _dims_of.get(shape)
     if dims is None:
         dims = _dims_of[shape] = (*_dims(griddim), *_dims(blockdim))
-    if overlap_previous and kernels_overlap():
+    if found[4]:
         err, = _driver.cuLaunchKernelEx(_overlapping_config(dims, stream), found[0], pointers.ctypes.data, 0)
     else:
         err, = _driver.cuLaunchKernel(found[0], *dims, 0, _stream_handle(stream), pointers.ctypes.data, 0)
@@ -504,7 +519,7 @@ if not SIMULATOR:
 
 _marshalled_arrays = {}     # id(device array) -> (weak reference, numba type, kernel parameters)
 _functions = {}             # (id(dispatcher), id(each argument's type)...) -> (driver handle, its kernel, types,
-#                             dispatcher)
+#                             dispatcher, whether it overlaps the kernel before it)
 _dims_of = {}               # (grid, block) -> the six dimensions cuLaunchKernel takes
 _param_slots = {}           # parameter count -> (uint64 values, their addresses): launch_kernel's buffer
 _overlapping_configs = {}   # (dimensions, stream handle) -> the CUlaunchConfig of an overlapping launch
@@ -611,6 +626,6 @@ class CapturedGraph:
 __all__ = ["SIMULATOR", "cuda", "available", "device_name", "bits_to_f32", "f32_to_bits", "roundf", "CapturedGraph",
            "mapped_device_view", "mapped_filled", "mapped_host_view", "event_done", "launch_kernel", "kernel_counts",
            "copy_rows", "load4", "aligned16", "check_aligned", "f16x2_to_f32", "syncwarp", "warp_max", "warp_sum", "WARP_MAX_VALUES",
-           "better", "free_device_bytes", "kernels_overlap", "wait_for_prior_grids",
+           "better", "free_device_bytes", "kernels_overlap", "overlapping", "begin_after_prior_grids", "wait_for_prior_grids",
            "let_dependents_launch", "SHARED_BYTES", "SHARED_ALIGN", "U", "IDX",
            "BIDX"]

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import (aligned16, bits_to_f32, cuda, f32_to_bits, launch_kernel, mapped_device_view,
-                                mapped_filled, roundf)
+from codegen.lower.cuda import (aligned16, begin_after_prior_grids, bits_to_f32, cuda, f32_to_bits, launch_kernel,
+                                mapped_device_view, mapped_filled, overlapping, roundf)
 from codegen.lower.weights import placeholder_scales
 from planner.errors import StratumError
 from planner.kv import KVType, parse_kv_type, row_bytes
@@ -376,9 +376,11 @@ def make_kv_store(kv_type_name, n_head_kv: int, head_dim_k: int, head_dim_v: int
     k_blocks = n_head_kv * head_dim_k // QUANT_BLOCK * k_parts      # threads per row
     v_blocks = n_head_kv * head_dim_v // QUANT_BLOCK * v_parts
 
+    @overlapping
     @cuda.jit
     def kernel(k, v, positions, page_table, k_data, k_scales, v_data, v_scales, hk_data, hk_scales, hv_data,
                hv_scales, through):
+        begin_after_prior_grids()
         i = cuda.grid(1)
         n_k = k.shape[0] * k_blocks
         if i < n_k:

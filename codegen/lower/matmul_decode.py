@@ -18,7 +18,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.lower import MAX_WINDOW
 from codegen.lower.cuda import (BIDX, IDX, SHARED_BYTES, SIMULATOR, U, check_aligned, cuda, launch_kernel,
-                                let_dependents_launch, load4, syncwarp, wait_for_prior_grids, warp_sum)
+                                let_dependents_launch, load4, overlapping, syncwarp, wait_for_prior_grids, warp_sum)
 from codegen.lower.pointwise import silu
 from codegen.lower.word_formats import FORMATS, Format
 
@@ -320,6 +320,7 @@ def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeS
     `rows_a_block` outputs."""
     rows, rows_a_block, red_shape = decode_rows(ggml_type, n_in, bias, swiglu, shape, residual)
 
+    @overlapping        # `dot` waits for the previous kernel; nothing before it reads what a kernel writes
     @cuda.jit
     def kernel(x, wa, sa, wb, sb, b, out):
         red = cuda.shared.array(red_shape, np.float32)
@@ -329,7 +330,7 @@ def decode_kernel(ggml_type, n_in: int, bias: bool, swiglu: bool, shape: DecodeS
         check_aligned("a decode matmul's activations", x)
         check_group_rows("a decode matmul", out.shape[1], shape.nr)
         launch_kernel(kernel, -(-out.shape[1] // rows_a_block), shape.groups * shape.tg, stream,
-                      x, wa, sa, wb, sb, b, out, overlap_previous=True)
+                      x, wa, sa, wb, sb, b, out)
     return launch
 
 
@@ -351,6 +352,7 @@ def qkv_kernel(n_in: int, parts: tuple, window: int):
         raise ValueError(f"q, k and v of {[p.n_out for p in parts]} rows need {shared_bytes} bytes of shared memory "
                          f"for a window of {window} (at most {SHARED_BYTES})")
 
+    @overlapping        # as decode_kernel's
     @cuda.jit
     def kernel(x, qa, qs, qb, q_out, ka, ks, kb, k_out, va, vs, vb, v_out):
         block = cuda.blockIdx.x & BIDX

@@ -44,7 +44,8 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import EXPERT_TILE_ROWS, expert_tiles, tile_cols
 from codegen.lower import MAX_WINDOW, pointwise
-from codegen.lower.cuda import BIDX, IDX, SHARED_ALIGN, SIMULATOR, check_aligned, cuda, launch_kernel
+from codegen.lower.cuda import (BIDX, IDX, SHARED_ALIGN, SIMULATOR, begin_after_prior_grids, check_aligned, cuda,
+                                launch_kernel, overlapping)
 from codegen.lower.matmul import check, words
 from codegen.lower.matmul_decode import (ROW_VALUES, DecodeShape, check_group_rows, decode_core, group_first_row,
                                          window_rows)
@@ -129,8 +130,10 @@ def make_moe_groups(n_expert: int, k: int):
     if not 0 < k <= n_expert <= GROUP_THREADS:
         raise ValueError(f"top {k} of {n_expert} experts: the grouping kernel takes 1..{GROUP_THREADS} experts")
 
+    @overlapping
     @cuda.jit
     def kernel(ids, groups, levels):
+        begin_after_prior_grids()
         counts = cuda.shared.array(GROUP_THREADS, np.int32)     # every expert's pairs, then their running sum
         runs = cuda.shared.array(GROUP_THREADS, np.int32)       # the thread's matches, then their running sum
         flags = cuda.shared.array(GROUP_THREADS, np.int32)
@@ -182,8 +185,10 @@ def make_moe_route(n_expert: int, k: int, gating: str, normalize: bool, scale: f
     route = pointwise.block_router(n_expert, k, gating, normalize, scale, ROUTE_THREADS)
     max_pairs = MAX_WINDOW * k
 
+    @overlapping
     @cuda.jit
     def kernel(logits, bias, ids, weights, groups):
+        begin_after_prior_grids()
         chosen = cuda.shared.array((MAX_WINDOW, k), np.int32)
         first = cuda.shared.array(max_pairs, np.int32)        # 1: the pair is its expert's first
         t = cuda.threadIdx.x & IDX
@@ -257,8 +262,10 @@ def decode_swiglu(ggml_type, n_in: int, n_ff: int, n_expert: int, k: int, shape:
     dot, reduce = decode_core(ggml_type, n_in, nr, nr, tg, shape.unroll, window)
     red_shape, acc_shape = (groups, 2 * nr * window, tg), (2 * nr, window)
 
+    @overlapping
     @cuda.jit
     def kernel(x, grouped, slot_of, ga, gs, ua, us, hga, hgs, hua, hus, act):
+        begin_after_prior_grids()
         red = cuda.shared.array(red_shape, np.float32)
         t = cuda.threadIdx.x & IDX
         g, lane = t // tg, t % tg
@@ -307,8 +314,10 @@ def decode_down(ggml_type, n_ff: int, n_out: int, n_expert: int, k: int, shape: 
     red_shape, dots_shape, acc_shape = (groups, nr * window, tg), (window * k, nr), (nr, window)
     n_pairs = window * k
 
+    @overlapping
     @cuda.jit
     def kernel(act, grouped, route_w, slot_of, dw, ds, hdw, hds, out):
+        begin_after_prior_grids()
         red = cuda.shared.array(red_shape, np.float32)
         dots = cuda.shared.array(dots_shape, np.float32)
         expert = cuda.shared.array(n_pairs, np.int32)      # pair -> its expert
@@ -477,8 +486,10 @@ def make_moe_combine(n_out: int, k: int):
     ascending id order (top-k's are distinct; a repeated id would go by slot), of route_w[r, j] * terms[r * k
     + j], from 0 (out: the residual stream): the prefill down projection's weighted sum (its terms come expert range by expert range as
     the prefill ring streams experts; the sum waits for all of them and never depends on the ranges)."""
+    @overlapping
     @cuda.jit
     def kernel(terms, ids, route_w, out):
+        begin_after_prior_grids()
         order = cuda.shared.array(MAX_COMBINED_K, np.int32)
         r = cuda.blockIdx.x & BIDX
         t = cuda.threadIdx.x & IDX

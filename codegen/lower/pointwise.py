@@ -16,7 +16,7 @@ import math
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower.cuda import better, cuda, launch_kernel, warp_sum
+from codegen.lower.cuda import begin_after_prior_grids, better, cuda, launch_kernel, overlapping, warp_sum
 from codegen.lower.word_formats import FORMATS
 
 WARP = 32
@@ -119,8 +119,10 @@ def make_embed(ggml_type, n_embd: int):
     whole = items % threads == 0
     held_size = steps * held_words      # a local array's size must be a constant, not an expression
 
+    @overlapping
     @cuda.jit
     def kernel(ids, data, scales, out):
+        begin_after_prior_grids()
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         token = ids[row]
@@ -204,8 +206,10 @@ def make_rmsnorm(n: int, eps: float):
     be x. A block a row; its values and weights are loaded before any is used."""
     threads, steps, whole, load, normalize = _run_norm(n, eps)
 
+    @overlapping
     @cuda.jit
     def kernel(x, weight, out):
+        begin_after_prior_grids()
         row = cuda.blockIdx.x
         partial = cuda.shared.array(threads, np.float32)
         values = cuda.local.array(steps, np.float32)
@@ -266,8 +270,10 @@ def make_rope(n_q_heads: int, n_k_heads: int, head_dim: int, n_rot: int, base: f
             elif j >= n_rot and (whole or j < head_dim) and normed:
                 x[row, first + j] = values[u]
 
+    @overlapping
     @cuda.jit
     def kernel(q, q_weight, k, k_weight, positions):
+        begin_after_prior_grids()
         block = cuda.blockIdx.x
         row, h = block // heads, block % heads
         head = cuda.shared.array(head_dim, np.float32)
@@ -296,8 +302,10 @@ def make_concat(n_a: int, n_b: int):
     """launch(stream, a, b, out): out (rows, n_a + n_b) = [a ; b] per row."""
     width = n_a + n_b
 
+    @overlapping
     @cuda.jit
     def kernel(a, b, out):
+        begin_after_prior_grids()
         i = cuda.grid(1)
         row, col = i // width, i % width
         if row < out.shape[0]:
@@ -432,8 +440,10 @@ def make_router(n_expert: int, k: int, gating: str, normalize: bool, scale: floa
     threads = _threads(n_expert, MAX_ROUTER_EXPERTS)
     route = block_router(n_expert, k, gating, normalize, scale, threads)
 
+    @overlapping
     @cuda.jit
     def kernel(logits, bias, ids, weights):
+        begin_after_prior_grids()
         route(logits, bias, cuda.blockIdx.x, ids, weights)
 
     return _per_row(kernel, threads)
@@ -466,8 +476,10 @@ def make_argmax(n: int):
     whole_steps = n // span
     partial = whole_steps * span < n
 
+    @overlapping
     @cuda.jit
     def kernel(logits, ids):
+        begin_after_prior_grids()
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         values = cuda.shared.array(threads, np.float32)
