@@ -1,5 +1,5 @@
 # Run 50: overlapping launches (branch decode-pdl). Trees: the working tree (every decode-step kernel
-# `overlapping`), .a1/ (0f86799: the dense decode matmul only), .base/ (main), .var/ (0f86799 with the wait's 0
+# `overlapping`), .a1/ (7629fae: the dense decode matmul only), .base/ (main), .var/ (7629fae with the wait's 0
 # not joined to the lane: loads ordered after the wait by program order alone). Chain tests first.
 # Usage, from the repository root on the device, after DEVICE.md's prefix: bash benchmarks/results/run50/run50.sh [steps]
 root=$PWD
