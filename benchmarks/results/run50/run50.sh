@@ -22,6 +22,11 @@ for step in ${@:-chain e2e decode}; do
          TAIL=4 in_tree $root/.base e2e_base.txt python3 $e2e ;;
     decode) TAIL=14 LIMIT=120 in_tree $root decode_all.txt python3 benchmarks/kernels_matmul.py decode $shapes
             TAIL=14 LIMIT=120 in_tree $root/.base decode_base.txt python3 benchmarks/kernels_matmul.py decode $shapes ;;
+    e2e-8g) TAIL=4 LIMIT=170 in_tree $root e2e8g_all.txt python3 ${e2e/h200-141g/rtx-2060-super-8g}
+            TAIL=4 LIMIT=170 in_tree $root/.base e2e8g_base.txt python3 ${e2e/h200-141g/rtx-2060-super-8g} ;;
+    dense) shapes="--types Q4_0,Q8_0 --shapes 768x2048,4096x4096,12288x4096,4096x12288"
+           TAIL=10 LIMIT=110 in_tree $root decode2_all.txt python3 benchmarks/kernels_matmul.py decode $shapes
+           TAIL=10 LIMIT=110 in_tree $root/.base decode2_base.txt python3 benchmarks/kernels_matmul.py decode $shapes ;;
     e2e-a1) TAIL=4 in_tree $root/.a1 e2e_a1.txt python3 $e2e ;;
     var) LIMIT=120 in_tree $root/.var gpu_chain_var.log $chain
          TAIL=14 LIMIT=120 in_tree $root/.var decode_var.txt python3 benchmarks/kernels_matmul.py decode $shapes ;;
