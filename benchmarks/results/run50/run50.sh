@@ -30,7 +30,7 @@ for step in ${@:-chain e2e decode}; do
     moe) TAIL=12 LIMIT=120 in_tree $root moe_all.txt python3 benchmarks/kernels_matmul.py moe
          TAIL=12 LIMIT=120 in_tree $root/.base moe_base.txt python3 benchmarks/kernels_matmul.py moe ;;
     e2e-a1) TAIL=4 in_tree $root/.a1 e2e_a1.txt python3 $e2e ;;
-    var) LIMIT=150 in_tree $root/.var gpu_chain_var.log ${chain/-k chain/-k "chain and 3"}
+    var) LIMIT=150 in_tree $root/.var gpu_chain_var.log python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_matmul.py -k "chain and 3"
          TAIL=10 LIMIT=110 in_tree $root/.var decode_var.txt python3 benchmarks/kernels_matmul.py decode ${shapes/Q4_0,Q8_0,Q4_K/Q4_0,Q8_0} ;;
     engine) LIMIT=400 in_tree $root gpu_engine.log python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_engine.py -k drafting ;;
     esac
