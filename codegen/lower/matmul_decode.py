@@ -201,9 +201,10 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
             xsum = cuda.local.array(window, np.float32)
             fetch(0, wa, sa, wb, sb, woff, lane, held, scale, low)
             # the weights are no kernel's output: their first loads overlap the previous kernel's drain. The
-            # wait's 0 joins every later load's index through the lane (one addition; added to each window
-            # row's index it cost Q8_0 16-25 registers at window 4, and a block an SM)
-            lane += wait_for_prior_grids()
+            # wait's 0 joins the index of every load of x, through the lane `apply` takes (joined to the weights'
+            # lane too, or to each window row, it cost up to 15 registers and 20 instructions a loop:
+            # BENCHMARKS.md run 50; this way both are main's)
+            x_lane = lane + wait_for_prior_grids()
             let_dependents_launch()
             for it in range(0, padded, unroll):
                 # the next chunks' loads go out before these chunks' arithmetic: loads always in flight
@@ -211,13 +212,13 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                     fetch(it + unroll, wa, sa, wb, sb, woff, lane, ahead, ahead_scale, ahead_low)
                 # written out, not a loop: the compiler would not unroll a loop this big, and the chunks'
                 # registers must be indexed by constants
-                apply(0, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc)
+                apply(0, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, x_lane, acc)
                 if unroll > 1:
-                    apply(1, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc)
+                    apply(1, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, x_lane, acc)
                 if unroll > 2:
-                    apply(2, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc)
+                    apply(2, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, x_lane, acc)
                 if unroll > 3:
-                    apply(3, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc)
+                    apply(3, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, x_lane, acc)
                 for u in range(unroll):
                     for i in range(nw):
                         for q in range(cw):
