@@ -45,7 +45,7 @@ class ExpertLayer:
 
 # Types whose blocks the kernels read as quants apart from their float16 scales (K-quants: a block's header;
 # codegen.lower.weights packs them so); every other type's expert rows fill one part of a slot.
-SCALE_BYTES = {T.Q8_0: 2, T.Q4_0: 2, T.Q4_K: 16, T.Q6_K: 18}   # a block's bytes read apart from its quants
+SCALE_BYTES = {T.Q8_0: 2, T.Q4_0: 2, T.Q4_K: 16, T.Q5_K: 16, T.Q6_K: 18}   # a block's bytes read apart from its quants
 SCALES_APART = tuple(SCALE_BYTES)
 SLOT_PART_ALIGNMENT_BYTES = 16      # the prefill kernels read a slot's words 16 bytes at a time
 SLOT_ALIGNMENT_BYTES = 256          # a slot starts where a region may (planner.layout.aligned)

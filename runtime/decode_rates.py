@@ -19,7 +19,7 @@ from runtime.synthetic import random_packed
 # (n_out, n_in): the calibration model's output head (Qwen3-30B-A3B: 2048 wide, the width of its dense
 # matrices), large enough that a launch's latency is a few percent of its time
 RATE_SHAPE = (151936, 2048)
-RATE_TYPES = (T.F16, T.BF16, T.Q4_0, T.Q4_K, T.Q6_K)     # against T.Q8_0
+RATE_TYPES = (T.F16, T.BF16, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K)     # against T.Q8_0
 LAUNCHES = 8                    # launches per timed graph, at least
 REPLAYS = 10                    # times the graph is replayed
 

@@ -153,12 +153,12 @@ def random_packed(shape, ggml_type, rng: np.random.Generator, std: float | None 
     """Random weights of numpy `shape` (..., n_out, n_in) generated directly in the packed layout (no quantize
     pass: fast for GBs). Values have standard deviation `std` (default 1/sqrt(n_in)): F32/F16/BF16 normal;
     Q8_0 quants uniform in [-127, 127], Q4_0 nibbles uniform, with float16 block scales around that size; Q4_K
-    as `_random_q4_k`, Q6_K as `_random_q6_k`."""
+    and Q5_K as `_random_with_mins`, Q6_K as `_random_q6_k`."""
     ggml_type, shape = T(ggml_type), tuple(int(d) for d in shape)
     check_kernel_type(ggml_type, shape)
     std = 1.0 / math.sqrt(shape[-1]) if std is None else std
-    if ggml_type == T.Q4_K:
-        return _random_q4_k(shape, rng, std)
+    if ggml_type in (T.Q4_K, T.Q5_K):
+        return _random_with_mins(ggml_type, shape, rng, std)
     if ggml_type == T.Q6_K:
         return _random_q6_k(shape, rng, std)
     if ggml_type in (T.F32, T.F16, T.BF16):
@@ -180,19 +180,22 @@ def random_packed(shape, ggml_type, rng: np.random.Generator, std: float | None 
     return PackedWeight(ggml_type, shape, data, scales.astype(np.float16))
 
 
-def _random_q4_k(shape, rng: np.random.Generator, std: float) -> PackedWeight:
-    """Q4_K of random nibbles q and random 6-bit sub-block scales sc and mins m (the 12 packed header bytes), each
-    value d * sc * q - dmin * m. dmin = 7.5 d makes its expected value 0, and d (within +-25% per block) gives
-    values of standard deviation about `std`."""
-    n_blocks = math.prod(shape) // GGML_QUANT_SIZES[T.Q4_K][0]
-    data = np.frombuffer(rng.bytes(math.prod(shape) // 2), np.uint8).reshape(*shape[:-1], shape[-1] // 2).copy()
+def _random_with_mins(ggml_type, shape, rng: np.random.Generator, std: float) -> PackedWeight:
+    """Q4_K or Q5_K of random quants q (any bytes of the packed layout are valid) and random 6-bit sub-block
+    scales sc and mins m (the 12 packed header bytes), each value d * sc * q - dmin * m. dmin = mean(q) d makes
+    its expected value 0, and d (within +-25% per block) gives values of standard deviation about `std`."""
+    (data_shape, _), _ = packed_layout(ggml_type, shape)
+    n_blocks = math.prod(shape) // GGML_QUANT_SIZES[ggml_type][0]
+    data = np.frombuffer(rng.bytes(math.prod(data_shape)), np.uint8).reshape(data_shape).copy()
     header = np.frombuffer(rng.bytes(n_blocks * Q4_K_HEADER_BYTES), np.uint8).reshape(n_blocks, -1).copy()
-    q_mean, q_var, six_bit_mean, six_bit_var = 7.5, (16 * 16 - 1) / 12.0, 31.5, (64 * 64 - 1) / 12.0
+    levels = 16 if ggml_type == T.Q4_K else 32
+    q_mean, q_var = (levels - 1) / 2, (levels * levels - 1) / 12.0
+    six_bit_mean, six_bit_var = 31.5, (64 * 64 - 1) / 12.0
     value_var = (six_bit_mean ** 2 + six_bit_var) * q_var + 2 * q_mean ** 2 * six_bit_var   # in units of d^2
     d = rng.uniform(0.75, 1.25, n_blocks) * (std / math.sqrt(value_var))
     header[:, :4] = np.stack([d, q_mean * d], axis=1).astype(np.float16).view(np.uint8)
     scales = header.view(np.float16).reshape(*shape[:-1], shape[-1] // QUANT_BLOCK)
-    return PackedWeight(T.Q4_K, shape, data, scales)
+    return PackedWeight(ggml_type, shape, data, scales)
 
 
 def _random_q6_k(shape, rng: np.random.Generator, std: float) -> PackedWeight:
@@ -357,8 +360,8 @@ class _Structure:
 
 def _zero_input(packed: PackedWeight, column: int) -> None:
     """Every row's value at `column` made 0 in place, in the packed layout (`codegen.lower.weights`): its quant
-    set to the one that means 0 (Q4_K: quant 0, and its sub-block's min 0, which lifts that sub-block's other
-    values by their min)."""
+    set to the one that means 0 (Q4_K, Q5_K: quant 0, and its sub-block's min 0, which lifts that sub-block's
+    other values by their min)."""
     ggml_type, data = packed.ggml_type, packed.data
     if ggml_type in (T.Q4_0, T.Q4_K):
         block, within = divmod(column, QUANT_BLOCK)      # byte j of a (sub-)block: element j low, j + 16 high
@@ -368,6 +371,14 @@ def _zero_input(packed: PackedWeight, column: int) -> None:
         data[..., byte] = (data[..., byte] & keep) | zero
         if ggml_type == T.Q4_K:
             _zero_q4_k_min(packed.scales.view(np.uint8)[..., column // 256 * Q4_K_HEADER_BYTES:], block % 8)
+    elif ggml_type == T.Q5_K:
+        chunk, within = divmod(column, 128)              # a chunk's 80 bytes: 4 sub-blocks' nibbles, fifth bits
+        sub_block, value = divmod(within, QUANT_BLOCK)
+        half, j = divmod(value, 16)
+        data[..., chunk * 80 + sub_block * 16 + j] &= 0xF0 if half == 0 else 0x0F
+        bits = chunk * 80 + 64 + j                       # word j // 4, byte j % 4
+        data[..., bits] &= ~np.uint8(1 << (4 * half + sub_block))
+        _zero_q4_k_min(packed.scales.view(np.uint8)[..., column // 256 * Q4_K_HEADER_BYTES:], (column // 32) % 8)
     elif ggml_type == T.Q6_K:
         chunk, within = divmod(column, 64)               # a chunk's 48 bytes: nibbles of run g, then bit pairs
         run, b = divmod(within, 16)
@@ -379,7 +390,7 @@ def _zero_input(packed: PackedWeight, column: int) -> None:
 
 
 def _zero_q4_k_min(header: np.ndarray, sub_block: int) -> None:
-    """The 6-bit min of `sub_block` in Q4_K headers (header[..., :16] bytes: d, dmin, 12 packed) set to 0."""
+    """The 6-bit min of `sub_block` in Q4_K (and Q5_K) headers (header[..., :16] bytes: d, dmin, 12 packed) set to 0."""
     j = sub_block
     if j < 4:
         header[..., 8 + j] &= 0xC0

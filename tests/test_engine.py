@@ -218,17 +218,17 @@ def test_a_gate_and_up_of_two_types_are_refused_before_anything_is_allocated(tmp
 
 
 def test_a_file_with_a_type_no_kernel_reads_is_refused_before_anything_is_allocated(tmp_path, monkeypatch):
-    """A Q5_K_M-like file's Q5_K tensors (a Q4_K_M card with Q5_K where it has Q6_K; here a partial
+    """A Q3_K_M-like file's Q3_K tensors (a Q4_K_M card with Q3_K where it has Q6_K; here a partial
     download's header: its data is never read)."""
     from plans import MODELS_DIR
     from tests.ggufs import write_header_only
-    card = tmp_path / "qwen3-30b-a3b-q5_k.yaml"
-    card.write_text((MODELS_DIR / "qwen3-30b-a3b-q4_k_m.yaml").read_text().replace("q6_k", "q5_k"))
+    card = tmp_path / "qwen3-30b-a3b-q3_k.yaml"
+    card.write_text((MODELS_DIR / "qwen3-30b-a3b-q4_k_m.yaml").read_text().replace("q6_k", "q3_k"))
     path = tmp_path / "partial.gguf"
     write_header_only(card, path)
     plan = solve(hardware="rtx-2060-super-8g", model=path, context=4096, kv="q8_0")
     monkeypatch.setattr(engine_module, "DeviceArena", None)     # an allocation would fail loudly
-    with pytest.raises(StratumError, match=r"partial.gguf: 49 of its 579 tensors are Q5_K, which no kernel reads "
+    with pytest.raises(StratumError, match=r"partial.gguf: 49 of its 579 tensors are Q3_K, which no kernel reads "
                                            r"yet \(the first: output.weight\)"):
         Engine(plan, path)
 

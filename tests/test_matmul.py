@@ -203,24 +203,25 @@ def test_decode_dequantizes_extreme_quants(rng, ggml_type):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# K-quants: blocks of 256 values. Q4_K: each 32-value sub-block's values scale * q - min; Q6_K: each 16-value
-# run's values d * sc * (q - 32), 6-bit quants
+# K-quants: blocks of 256 values. Q4_K and Q5_K: each 32-value sub-block's values scale * q - min (4-bit, 5-bit
+# quants); Q6_K: each 16-value run's values d * sc * (q - 32), 6-bit quants
 
 
 def random_k_quant(rng, ggml_type, shape):
-    """Weights of random bytes (Q4_K: every 6-bit scale and min and every nibble; Q6_K: every int8 scale and
-    6-bit quant), d (and dmin) 1e-3..1e-2: all of gguf-py's unpacking exercised, not only what a quantizer
-    writes."""
-    block_bytes, d_at = {T.Q4_K: (144, 0), T.Q6_K: (210, 208)}[ggml_type]
+    """Weights of random bytes (Q4_K, Q5_K: every 6-bit scale and min and every 4- or 5-bit quant; Q6_K: every
+    int8 scale and 6-bit quant), d (and dmin) 1e-3..1e-2: all of gguf-py's unpacking exercised, not only what
+    a quantizer writes."""
+    block_bytes, d_at = {T.Q4_K: (144, 0), T.Q5_K: (176, 0), T.Q6_K: (210, 208)}[ggml_type]
     raw = rng.integers(0, 256, (int(np.prod(shape[:-1])), shape[-1] // 256, block_bytes), dtype=np.uint8)
-    n_floats = 2 if ggml_type == T.Q4_K else 1
+    n_floats = 1 if ggml_type == T.Q6_K else 2
     raw[:, :, d_at:d_at + 2 * n_floats] = \
         rng.uniform(1e-3, 1e-2, raw.shape[:2] + (n_floats,)).astype(np.float16).view(np.uint8)
     return weights.pack(raw, ggml_type, shape)
 
 
 @pytest.mark.parametrize("ggml_type, quant_bytes, header_bytes, code_error",
-                         [(T.Q4_K, 128, 16, 0.1), (T.Q6_K, 192, 18, 0.03)], ids=["Q4_K", "Q6_K"])
+                         [(T.Q4_K, 128, 16, 0.1), (T.Q5_K, 160, 16, 0.05), (T.Q6_K, 192, 18, 0.03)],
+                         ids=["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_pack_their_gguf_bytes_apart_and_back(rng, ggml_type, quant_bytes, header_bytes, code_error):
     """The quants reordered, the headers apart: the bytes the planner counts (`split_bytes`), and unpack gives
     the GGUF bytes back."""
@@ -231,11 +232,11 @@ def test_k_quants_pack_their_gguf_bytes_apart_and_back(rng, ggml_type, quant_byt
     assert weights.pack(raw, ggml_type, (3, 512)).data.tobytes() == packed.data.tobytes()
     assert np.array_equal(weights.unpack(weights.pack(raw, ggml_type, (3, 512))), raw)
     x = rng.standard_normal((3, 512)).astype(np.float32)
-    assert rel_err(weights.dequantize(weights.quantize(x, ggml_type)), x) < code_error     # a 4- or 6-bit code
+    assert rel_err(weights.dequantize(weights.quantize(x, ggml_type)), x) < code_error     # a 4- to 6-bit code
 
 
 @pytest.mark.parametrize("family", ["decode", "prefill"])
-@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_k_quant_matmul_and_swiglu_match_reference(rng, family, ggml_type):
     """Against gguf-py's dequantization, a bias and a random-bytes weight; decode: a row alone gives its
     window's bits."""
@@ -253,13 +254,16 @@ def test_k_quant_matmul_and_swiglu_match_reference(rng, family, ggml_type):
     assert rel_err(act, want) < TOL
 
 
-def test_q6_k_prefill_rows_do_not_depend_on_the_chunk_nor_decode_rows_on_the_window(rng):
-    """Q6_K's 12-word chunks and 16-value runs keep both families' invariances."""
-    _, w, _ = packed_weight(rng, T.Q6_K, (12, 256))
+@pytest.mark.parametrize("ggml_type", [T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_multi_word_chunks_keep_prefill_rows_of_any_chunk_and_decode_rows_of_any_window(rng, ggml_type):
+    """Q5_K's 20-word and Q6_K's 12-word chunks, whose steps span several scales, keep both families'
+    invariances."""
+    _, w, _ = packed_weight(rng, ggml_type, (12, 256))
     x = activations(rng, 17, 256)
-    assert_rows_reproduced("prefill", T.Q6_K, x, w, run_matmul("prefill", T.Q6_K, x, w), ((2, 1), (5, 3), (1, 16)))
-    alone = np.concatenate([run_matmul("decode", T.Q6_K, x[r:r + 1], w) for r in range(4)])
-    assert_rows_reproduced("decode", T.Q6_K, x, w, alone, [(0, 4)])
+    assert_rows_reproduced("prefill", ggml_type, x, w, run_matmul("prefill", ggml_type, x, w),
+                           ((2, 1), (5, 3), (1, 16)))
+    alone = np.concatenate([run_matmul("decode", ggml_type, x[r:r + 1], w) for r in range(4)])
+    assert_rows_reproduced("decode", ggml_type, x, w, alone, [(0, 4)])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -280,9 +284,9 @@ def test_refuses_what_it_cannot_run(args, message):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family, ggml_type", [("decode", T.Q8_0), ("decode", T.Q4_0), ("decode", T.BF16),
-                                               ("decode", T.Q4_K), ("decode", T.Q6_K), ("prefill", T.F32),
-                                               ("prefill", T.Q8_0), ("prefill", T.F16), ("prefill", T.Q4_K),
-                                               ("prefill", T.Q6_K)],
+                                               ("decode", T.Q4_K), ("decode", T.Q5_K), ("decode", T.Q6_K),
+                                               ("prefill", T.F32), ("prefill", T.Q8_0), ("prefill", T.F16),
+                                               ("prefill", T.Q4_K), ("prefill", T.Q5_K), ("prefill", T.Q6_K)],
                          ids=lambda v: getattr(v, "name", v))
 def test_gpu_real_shape(rng, family, ggml_type):
     """Against the reference; decode windows of 2..5 give each row's bits alone, prefill chunks of 1, 3, 16

@@ -248,7 +248,7 @@ def test_moe_decode_matches_reference_for_any_window(rng):
 
 
 @pytest.mark.parametrize("family", ["decode", "prefill"])
-@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_moe_k_quant_matches_reference(rng, family, ggml_type):
     """K-quant experts (rows of one 256-value block), half from slots and half from the host copy."""
     experts = Experts(rng, ggml_type, d_in=256, d_ff=256)

@@ -65,7 +65,7 @@ def check_embed(rng, ggml_type, n_vocab, n_embd, rows):
 @pytest.mark.parametrize("ggml_type", weights.KERNEL_TYPES, ids=lambda t: t.name)
 def test_embed_every_type_exact(rng, ggml_type):
     """(K-quants: rows of whole 256-value blocks.)"""
-    check_embed(rng, ggml_type, n_vocab=40, n_embd=256 if ggml_type in (T.Q4_K, T.Q6_K) else 96, rows=5)
+    check_embed(rng, ggml_type, n_vocab=40, n_embd=256 if ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K) else 96, rows=5)
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)

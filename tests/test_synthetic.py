@@ -140,8 +140,8 @@ def test_random_packed_layouts_and_scale(rng, ggml_type):
     assert abs(weights.dequantize(random_packed(shape, ggml_type, rng, std=2.0)).std() / 2 - 1) < 0.1
 
 
-@pytest.mark.parametrize("ggml_type, quant_bytes, header_bytes", [(T.Q4_K, 128, 16), (T.Q6_K, 192, 18)],
-                         ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("ggml_type, quant_bytes, header_bytes",
+                         [(T.Q4_K, 128, 16), (T.Q5_K, 160, 16), (T.Q6_K, 192, 18)], ids=["Q4_K", "Q5_K", "Q6_K"])
 def test_random_packed_k_quant_has_the_layout_pack_makes_and_the_scale_asked(rng, ggml_type, quant_bytes,
                                                                               header_bytes):
     shape = (3, 64, 512)
@@ -170,8 +170,8 @@ def test_the_massive_dimension_is_zeroed_in_the_packed_layout_of_every_type(rng,
 
 
 def test_random_packed_refuses_what_no_kernel_reads(rng):
-    with pytest.raises(StratumError, match="Q5_K"):
-        random_packed((64, 256), T.Q5_K, rng)
+    with pytest.raises(StratumError, match="Q3_K"):
+        random_packed((64, 256), T.Q3_K, rng)
     with pytest.raises(StratumError, match="whole blocks"):
         random_packed((64, 48), T.Q8_0, rng)
 
@@ -225,15 +225,15 @@ def test_realistic_weights_follow_the_card(tmp_path, rng, architecture):
 
 
 def test_realistic_weights_refuse_a_type_no_kernel_reads(tmp_path):
-    """A card's Q5_K tensor (a Q5_K_M file's default type) is refused when it is reached, after the K-quants the
+    """A card's Q3_K tensor (a Q3_K_M file's default type) is refused when it is reached, after the K-quants the
     kernels read."""
-    card = tmp_path / "tiny-q5_k.yaml"
+    card = tmp_path / "tiny-q3_k.yaml"
     card.write_text(yaml.safe_dump({"name": card.stem, "architecture": "qwen3moe",
                                     "metadata": {**TINY_CARDS["qwen3moe"], "embedding_length": 256},
                                     "types": {"default": "q8_0", "attn_q": "q4_k", "attn_k": "q6_k",
-                                              "attn_v": "q5_k"}}))
+                                              "attn_v": "q3_k"}}))
     names = []
-    with pytest.raises(StratumError, match="Q5_K"):
+    with pytest.raises(StratumError, match="Q3_K"):
         for name, _ in realistic_weights(card, seed=0):
             names.append(name)
     assert "blk.0.attn_k.weight" in names and "blk.0.attn_v.weight" not in names

@@ -116,8 +116,8 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
     @cuda.jit(device=True, inline=True)
     def apply(u, it, held, scale, low, vals, xs, part, xsum, x, xrow, nx, lane, acc):
         """Chunk u of the group in flight: per step, x's values for every window row, then each row's words
-        decoded once and applied to all of them. A type with mins (Q4_K) sums the chunk's x too: its
-        values are scale * q - min, so a chunk adds scale * sum(q x) - min * sum(x)."""
+        decoded once and applied to all of them. A type with mins (Q4_K, Q5_K) sums each run's x too: its
+        values are scale * q - min, so a run adds scale * sum(q x) - min * sum(x)."""
         c = (it + u) * tg + lane
         if full or c < chunks:
             x0 = c * m
@@ -127,7 +127,8 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                         part[i, r, g] = np.float32(0)
             if has_min:
                 for r in range(window):
-                    xsum[r] = np.float32(0)
+                    for g in range(runs):
+                        xsum[r, g] = np.float32(0)
             for t in range(steps):
                 for r in range(window):
                     if r < nx:
@@ -140,7 +141,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                             xs[r, 4 * j + 3] = quad[3]
                         if has_min:
                             for e in range(step_values):
-                                xsum[r] += xs[r, e]
+                                xsum[r, (e // 4) * runs // quads] += xs[r, e]
                 for i in range(nw):
                     step(held, u, i, t, vals)
                     for r in range(window):
@@ -152,7 +153,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
                     if r < nx:
                         for g in range(runs):
                             if has_min:
-                                acc[i, r] += scale[u, i, g] * part[i, r, g] - low[u, i, g] * xsum[r]
+                                acc[i, r] += scale[u, i, g] * part[i, r, g] - low[u, i, g] * xsum[r, g]
                             elif scaled:
                                 acc[i, r] += scale[u, i, g] * part[i, r, g]
                             else:
@@ -198,7 +199,7 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
             vals = cuda.local.array((1, step_values), np.float32)
             xs = cuda.local.array((window, step_values), np.float32)
             part = cuda.local.array((nw, window, runs), np.float32)
-            xsum = cuda.local.array(window, np.float32)
+            xsum = cuda.local.array((window, runs), np.float32)
             fetch(0, wa, sa, wb, sb, woff, lane, held, scale, low)
             # the weights are no kernel's output: their first loads overlap the previous kernel's drain. The
             # wait's 0 joins the index of every load of x, through the lane `apply` takes (joined to the weights'

@@ -18,6 +18,11 @@ Layouts, in numpy order (leading dims such as `n_expert` first, then rows = outp
                                                of the same 32 bytes), unsigned; scales (..., n_out, n_in // 32)
                                                float16-sized: each 256-value block's 16 header bytes as stored
                                                (d, dmin, the 12 bytes of 6-bit sub-block scales and mins)
+  Q5_K  data uint8   (..., n_out, 5 * n_in // 8)   each 128 values of a 256-value block (4 sub-blocks s of 32)
+                                               in 80 bytes: 64 of low nibbles, each sub-block's 16 as Q4_0
+                                               holds a block's (byte j: value j low, j + 16 high), then 4 words
+                                               p of high bits, bit 8k + 4h + s of word p the fifth bit of value
+                                               16h + 4p + k of sub-block s; quants unsigned; scales as Q4_K's
   Q6_K  data uint8   (..., n_out, 3 * n_in // 4)   each 64 values v = 0..63 of a 256-value block in 48 bytes:
                                                byte b < 16 holds v = b and 16 + b (low 4 bits; low, high
                                                nibble), byte 16 + b v = 32 + b and 48 + b, byte 32 + b the
@@ -36,10 +41,10 @@ from planner.architecture import tensor_role
 from planner.errors import StratumError
 from planner.model import SCALE_BYTES, SCALES_APART, split_bytes
 
-KERNEL_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
+KERNEL_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K)
 _FLOAT_DTYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}
-QUANT_BLOCK = 32     # elements per Q8_0 / Q4_0 block, and per Q4_K sub-block: what a scale covers
-Q4_K_HEADER_BYTES = 16  # a Q4_K block's d, dmin (float16) and 12 bytes of 6-bit sub-block scales and mins
+QUANT_BLOCK = 32     # elements per Q8_0 / Q4_0 block, and per Q4_K / Q5_K sub-block: what a scale covers
+Q4_K_HEADER_BYTES = 16  # a Q4_K (and Q5_K) block's d, dmin (float16) and 12 bytes of 6-bit sub-block scales and mins
 HEADER_AT_END = (T.Q6_K,)   # GGUF stores these types' scales after their quants, the others' before
 
 
@@ -99,24 +104,74 @@ def pack(raw: np.ndarray, ggml_type: T, shape: tuple) -> PackedWeight:
     quants_bytes = np.delete(blocks, np.s_[at:at + header], axis=1)     # a new array: the one copy
     if ggml_type == T.Q4_K:
         quants_bytes = _q4_k_sub_blocks(quants_bytes)
+    elif ggml_type == T.Q5_K:
+        quants_bytes = _q5_k_chunks(_q5_k_quants(quants_bytes))
     elif ggml_type == T.Q6_K:
         quants_bytes = _q6_k_chunks(_q6_k_quants(quants_bytes))
     return PackedWeight(ggml_type, shape, quants_bytes.reshape(-1).view(data_dtype).reshape(data_shape), scales)
 
 
-def _q4_k_sub_blocks(quants_bytes: np.ndarray) -> np.ndarray:
+def _q4_k_sub_block_values(quants_bytes: np.ndarray) -> np.ndarray:
     """(blocks, 128) Q4_K quant bytes as GGUF stores them (32-byte groups g: sub-block 2g in the low nibbles,
-    2g + 1 in the high) -> each sub-block's 16 bytes in Q4_0's order (byte j: value j low, j + 16 high)."""
+    2g + 1 in the high) -> (blocks, 256) nibbles in value order."""
     groups = quants_bytes.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    values = (groups & 0xF).reshape(-1, 8, 2, 16)       # [block, sub-block, half, j]
+    return (groups & 0xF).reshape(-1, 256)
+
+
+def _q4_k_quant_bytes(values: np.ndarray) -> np.ndarray:
+    """`_q4_k_sub_block_values`' inverse: (blocks, 128) bytes in GGUF's order."""
+    halves = values.reshape(-1, 4, 2, 32)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def _q4_k_sub_blocks(quants_bytes: np.ndarray) -> np.ndarray:
+    """(blocks, 128) Q4_K quant bytes as GGUF stores them -> each sub-block's 16 bytes in Q4_0's order (byte j:
+    value j low, j + 16 high)."""
+    values = _q4_k_sub_block_values(quants_bytes).reshape(-1, 8, 2, 16)     # [block, sub-block, half, j]
     return (values[:, :, 0] | (values[:, :, 1] << 4)).reshape(-1)
 
 
 def _q4_k_groups(data: np.ndarray) -> np.ndarray:
     """`_q4_k_sub_blocks`' inverse: (blocks, 128) bytes in GGUF's order."""
     sub_blocks = data.reshape(-1, 8, 16)
-    values = np.concatenate([sub_blocks & 0xF, sub_blocks >> 4], axis=2).reshape(-1, 4, 2, 32)
-    return (values[:, :, 0] | (values[:, :, 1] << 4)).reshape(-1, 128)
+    return _q4_k_quant_bytes(np.concatenate([sub_blocks & 0xF, sub_blocks >> 4], axis=2))
+
+
+def _q5_k_quants(quants_bytes: np.ndarray) -> np.ndarray:
+    """(blocks, 256) unsigned 5-bit quants of Q5_K blocks' qh and qs bytes as GGUF stores them (gguf-py's
+    Q5_K.dequantize_blocks: sub-block s's value l has bit s of qh byte l above the nibbles of qs that Q4_K
+    would hold there)."""
+    qh, qs = quants_bytes[:, :32], quants_bytes[:, 32:]
+    high = (qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1     # [block, s, l]
+    return _q4_k_sub_block_values(qs) | (high.reshape(-1, 256) << 4)
+
+
+def _q5_k_gguf(quants: np.ndarray) -> np.ndarray:
+    """`_q5_k_quants`' inverse: (blocks, 160) qh and qs bytes."""
+    values = quants.reshape(-1, 8, 32)
+    qh = ((values >> 4) << np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).sum(axis=1, dtype=np.uint8)
+    return np.concatenate([qh, _q4_k_quant_bytes(values & 0xF)], axis=1)
+
+
+def _q5_k_chunks(quants: np.ndarray) -> np.ndarray:
+    """(blocks, 256) 5-bit quants -> (blocks, 160) bytes in the kernels' layout (module doc)."""
+    values = quants.reshape(-1, 2, 4, 2, 16)                  # [block, chunk, s, h, j]
+    low = values & 0xF
+    nibbles = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).reshape(-1, 2, 64)
+    high = (values >> 4).reshape(-1, 2, 4, 2, 4, 4)           # [block, chunk, s, h, p, k]
+    shifts = (4 * np.arange(2).reshape(2, 1) + np.arange(4).reshape(1, 4)).astype(np.uint8)      # [h, s] -> 4h + s
+    bits = (high << shifts.T.reshape(1, 1, 4, 2, 1, 1)).sum(axis=(2, 3), dtype=np.uint8)     # [block, chunk, p, k]
+    return np.concatenate([nibbles, bits.reshape(-1, 2, 16)], axis=2).reshape(-1, 160)
+
+
+def _q5_k_from_chunks(data: np.ndarray) -> np.ndarray:
+    """`_q5_k_chunks`' inverse."""
+    chunks = data.reshape(-1, 2, 80)
+    nibbles = chunks[:, :, :64].reshape(-1, 2, 4, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    bits = chunks[:, :, 64:].reshape(-1, 2, 1, 1, 4, 4)       # [block, chunk, -, -, p, k]
+    shifts = (4 * np.arange(2).reshape(1, 2) + np.arange(4).reshape(4, 1)).astype(np.uint8)      # [s, h] -> 4h + s
+    high = (bits >> shifts.reshape(1, 1, 4, 2, 1, 1)) & 1     # [block, chunk, s, h, p, k]
+    return ((nibbles & 0xF) | (high.reshape(-1, 2, 4, 2, 16) << 4)).reshape(-1, 256)
 
 
 def _q6_k_quants(quants_bytes: np.ndarray) -> np.ndarray:
@@ -165,6 +220,8 @@ def unpack(packed: PackedWeight) -> np.ndarray:
     quants_bytes = packed.data.reshape(n_blocks, -1).view(np.uint8)
     if packed.ggml_type == T.Q4_K:
         quants_bytes = _q4_k_groups(quants_bytes)
+    elif packed.ggml_type == T.Q5_K:
+        quants_bytes = _q5_k_gguf(_q5_k_from_chunks(quants_bytes))
     elif packed.ggml_type == T.Q6_K:
         quants_bytes = _q6_k_gguf(_q6_k_from_chunks(quants_bytes))
     headers = packed.scales.reshape(n_blocks, -1).view(np.uint8)
@@ -174,11 +231,11 @@ def unpack(packed: PackedWeight) -> np.ndarray:
 
 def quantize(values: np.ndarray, ggml_type: T) -> PackedWeight:
     """Float values quantized as gguf-py (bit-exact with ggml) does, then packed: how tests make weights.
-    gguf-py cannot quantize the K-quants: `quantize_q4_k` and `quantize_q6_k` do."""
+    gguf-py cannot quantize the K-quants: `quantize_q4_k`, `quantize_q5_k` and `quantize_q6_k` do."""
     ggml_type = T(ggml_type)
     values = np.ascontiguousarray(values, dtype=np.float32)
     check_kernel_type(ggml_type, values.shape)
-    quantizer = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}.get(ggml_type)
+    quantizer = {T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k, T.Q6_K: quantize_q6_k}.get(ggml_type)
     raw = quantizer(values) if quantizer else quants.quantize(values, ggml_type)
     return pack(raw, ggml_type, values.shape)
 
@@ -199,28 +256,39 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
 
 
 def quantize_q4_k(values: np.ndarray) -> np.ndarray:
-    """GGUF Q4_K bytes of float values (rows of whole 256-value blocks): each 32-value sub-block's range
-    [min, max] split into 15 steps, its step and -min as 6-bit multiples of the block's d and dmin. A plain
-    rounding, not llama.cpp's search for the best scales: any valid Q4_K bytes serve the kernels' tests."""
+    """GGUF Q4_K bytes of float values (rows of whole 256-value blocks): `_quantize_sub_blocks` at 15 steps."""
+    header, q = _quantize_sub_blocks(values, 15)
+    return np.concatenate([header, _q4_k_quant_bytes(q)], axis=1).reshape(*values.shape[:-1], -1)
+
+
+def quantize_q5_k(values: np.ndarray) -> np.ndarray:
+    """GGUF Q5_K bytes of float values (rows of whole 256-value blocks): `_quantize_sub_blocks` at 31 steps."""
+    header, q = _quantize_sub_blocks(values, 31)
+    return np.concatenate([header, _q5_k_gguf(q)], axis=1).reshape(*values.shape[:-1], -1)
+
+
+def _quantize_sub_blocks(values: np.ndarray, steps: int) -> tuple:
+    """(16-byte headers, (blocks, 256) unsigned quants) of a K-quant with sub-block mins (Q4_K, Q5_K): each
+    32-value sub-block's range [min, max] split into `steps` steps, its step and -min as 6-bit multiples of the
+    block's d and dmin. A plain rounding, not llama.cpp's search for the best scales: any valid bytes serve the
+    kernels' tests."""
     sub = values.reshape(-1, 8, QUANT_BLOCK).astype(np.float64)
     low = np.maximum(-sub.min(axis=2), 0.0)                  # the sub-block's offset: value = step * q - low
-    step = (sub.max(axis=2) + low) / 15
+    step = (sub.max(axis=2) + low) / steps
     d = (step.max(axis=1) / 63).astype(np.float16)
     dmin = (low.max(axis=1) / 63).astype(np.float16)
     sc = np.clip(np.round(step / np.maximum(d.astype(np.float64), 1e-30)[:, None]), 0, 63).astype(np.uint8)
     m = np.clip(np.round(low / np.maximum(dmin.astype(np.float64), 1e-30)[:, None]), 0, 63).astype(np.uint8)
     step_q = d.astype(np.float64)[:, None] * sc
     low_q = dmin.astype(np.float64)[:, None] * m
-    q = np.clip(np.round((sub + low_q[:, :, None]) / np.maximum(step_q, 1e-30)[:, :, None]), 0, 15).astype(np.uint8)
+    q = np.clip(np.round((sub + low_q[:, :, None]) / np.maximum(step_q, 1e-30)[:, :, None]), 0, steps)
     packed_scales = np.empty((len(sub), 12), np.uint8)       # gguf-py's Q4_K.get_scale_min, inverted
     packed_scales[:, 0:4] = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
     packed_scales[:, 4:8] = (m[:, :4] & 0x3F) | ((m[:, 4:] >> 4) << 6)
     packed_scales[:, 8:12] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
-    halves = q.reshape(-1, 4, 2, 32)                          # group g: sub-blocks 2g (low) and 2g + 1 (high)
-    quant_bytes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(-1, 128)
     header = np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), packed_scales],
                             axis=1)
-    return np.concatenate([header, quant_bytes], axis=1).reshape(*values.shape[:-1], -1)
+    return header, q.astype(np.uint8).reshape(-1, 256)
 
 
 def dequantize(packed: PackedWeight) -> np.ndarray:

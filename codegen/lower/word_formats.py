@@ -2,16 +2,17 @@
 kernels read. A quant's bit field is or-ed into the mantissa of a float whose exponent makes its lowest bit weigh
 1, and one float subtraction leaves the quant (no int-to-float conversion, and for most fields no shift); f16
 moves its bits into a float32 scaled by 2^112 (exact for every finite value). Scales are not applied here:
-`scale` reads the (scale, min) of a value, and a value is scale * quant - min (min 0 but for Q4_K).
+`scale` reads the (scale, min) of a value, and a value is scale * quant - min (min 0 but for Q4_K and Q5_K).
 
 Each type is read two ways, by a `Format`:
-- the decode family reads a row in chunks (4 words, one 16-byte load; Q6_K 12 words, three) and decodes a
-  chunk in steps, each step's values whole float4s of x: `step` and `step_elem`;
+- the decode family reads a row in chunks (4 words, one 16-byte load; Q6_K 12 words, three; Q5_K 20, five) and
+  decodes a chunk in steps, each step's values whole float4s of x: `step` and `step_elem`;
 - the prefill family (and the embedding) reads a 16-value slice of a row as 4 threads, each loading the few
   words that hold its 4 values: `slice_word` and `slice_quants`.
 Word types (a word holds 1, 2, 4 or 8 whole values: F32, F16, BF16, Q8_0, Q4_0, Q4_K) also give their word
 decoder (`decode`, `elem`), which attention's K/V reads too. Q6_K's 6-bit quants straddle words: a chunk of 64
-values holds their low nibbles in 8 words and their high 2 bits in 4 (`weights.pack`'s layout).
+values holds their low nibbles in 8 words and their high 2 bits in 4 (`weights.pack`'s layout); Q5_K's chunk
+of 128 values its nibbles in 16 words as Q4_K holds them and their fifth bits in 4.
 """
 
 from typing import NamedTuple
@@ -112,8 +113,10 @@ def _byte_fields(width: int, offset: int):
 
 
 _six_bits = _byte_fields(6, 32)     # Q6_K: each byte a 6-bit quant + 32
+_five_bits = _byte_fields(5, 0)     # Q5_K: each byte a 5-bit quant
 _LOW_NIBBLES = np.int32(0x0F0F0F0F)
 _TWO_BITS = np.int32(0x03030303)
+_LOW_BITS = np.int32(0x01010101)
 
 
 @cuda.jit(device=True, inline=True)
@@ -278,6 +281,44 @@ def _q6_k_slice_quants(wv, base, k0, vals):
     _six_bits(nibbles | (((wv[base + 1] >> np.int32(2 * g)) & _TWO_BITS) << np.int32(4)), vals, 0, 0)
 
 
+@cuda.jit(device=True, inline=True)
+def _q5_k_fifth_bits(nibbles, high, at):
+    """The bytes of 4 nibbles (bits 0-3 of each byte) with bit `at` of each byte of `high` above them."""
+    return nibbles | (((high >> at) & _LOW_BITS) << np.int32(4))
+
+
+@cuda.jit(device=True, inline=True)
+def _q5_k_step(held, u, i, t, vals):
+    """Step t of a Q5_K chunk (128 values, sub-blocks s = 0..3, `weights`' layout): the low (t even) or high
+    nibbles of word t // 2 of each sub-block (word 4s + t // 2: values 4 (t // 2).. low, 16 + 4 (t // 2)..
+    high), their fifth bits from word 16 + t // 2; sub-block s's 4 values at vals 4s.. (a step of 4 values of
+    each sub-block, not 8: x's values a lane holds a window row, halved; run s is then vals 4s..)."""
+    half = t & 1
+    high = held[u, i, 16 + (t >> 1)]
+    for s in range(4):
+        nibbles = (held[u, i, 4 * s + (t >> 1)] >> np.int32(4 * half)) & _LOW_NIBBLES
+        _five_bits(_q5_k_fifth_bits(nibbles, high, np.int32(4 * half + s)), vals, 0, 4 * s)
+
+
+@cuda.jit(device=True, inline=True)
+def _q5_k_step_elem(t, e):
+    return ((e >> 2) << 5) + ((t >> 1) << 2) + ((t & 1) << 4) + (e & 3)
+
+
+@cuda.jit(device=True, inline=True)
+def _q5_k_slice_word(k0, part, q):
+    """The 16 values of half h of sub-block s of chunk k0 >> 7: their nibbles in word 4s + part, their fifth bits
+    in word 16 + part."""
+    return (k0 >> 7) * 20 + (((k0 >> 5) & 3) * 4 if q == 0 else 16) + part
+
+
+@cuda.jit(device=True, inline=True)
+def _q5_k_slice_quants(wv, base, k0, vals):
+    half = (k0 >> 4) & 1
+    nibbles = (wv[base] >> np.int32(4 * half)) & _LOW_NIBBLES
+    _five_bits(_q5_k_fifth_bits(nibbles, wv[base + 1], np.int32(4 * half + ((k0 >> 5) & 3))), vals, 0, 0)
+
+
 FORMATS = {
     T.F32: _word_format(1, _f32, _elem_plain, 1, 1),
     T.F16: _word_format(2, _f16, _elem_plain, 2, 1),
@@ -286,6 +327,9 @@ FORMATS = {
     T.Q4_0: _word_format(8, _nibbles(8), _elem_q4_0, 32, 4, 1, _block_scale, nibble_offset=8),
     # each 32-value sub-block's quants as Q4_0 holds a block's; the 256-value block's 16 header bytes apart
     T.Q4_K: _word_format(8, _nibbles(0), _elem_q4_0, 256, 32, 8, _q4_k_scale, True, True),
+    # a chunk of 20 words is 128 values, 4 sub-blocks (module doc); the header Q4_K's
+    T.Q5_K: Format(256, 40, 8, 20, 8, 16, 4, _q5_k_step, _q5_k_step_elem, 2, _q5_k_slice_word,
+                   _q5_k_slice_quants, _q4_k_scale, True, True),
     # a chunk of 12 words is 64 values (module doc), a run of 16 values one int8 scale
     T.Q6_K: Format(256, 48, 9, 12, 4, 16, 4, _q6_k_step, _q6_k_step_elem, 2, _q6_k_slice_word,
                    _q6_k_slice_quants, _q6_k_scale, False, True),
