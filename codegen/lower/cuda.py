@@ -403,7 +403,7 @@ def launch_kernel(kernel, griddim, blockdim, stream, *args) -> None:
 def _overlapping_config(dims: tuple, stream):
     """The launch configuration of a kernel of these dimensions on this stream that may overlap the previous
     kernel (programmatic stream serialization), made once per (dimensions, stream)."""
-    key = (dims, int(stream.handle) if stream else 0)
+    key = (dims, int(stream.handle) if stream else 0)      # `_stream_handle`'s number, without its object
     config = _overlapping_configs.get(key)
     if config is None:
         attribute = _driver.CUlaunchAttribute()

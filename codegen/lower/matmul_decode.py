@@ -26,7 +26,7 @@ MW = MAX_WINDOW
 
 MAX_UNROLL = 4
 ROW_VALUES = 4      # weight rows x window rows a lane accumulates, at most: its sums stay in registers
-CHUNK_WORDS = 4     # a lane's chunk of a row: one 16-byte load (`load4`), but for Q6_K (`Format.chunk_words`)
+CHUNK_WORDS = 4     # a lane's chunk of a row: one 16-byte load (`load4`), but for Q5_K, Q6_K (`Format.chunk_words`)
 
 
 class DecodeShape(NamedTuple):
@@ -67,7 +67,8 @@ def decode_shape(fmt: Format, n_in: int, n_out: int, window: int) -> DecodeShape
     keeps the fuller groups: it runs every thread as a Python thread, and a group's rows leave its sums as
     they are."""
     tg = group_threads(fmt, n_in, n_out)
-    # a lane holds the words of its rows' chunks twice (in flight and applied): Q6_K's 12-word chunks, fewer rows
+    # a lane holds the words of its rows' chunks twice (in flight and applied): Q6_K's 12-word chunks (Q5_K's
+    # 20), fewer rows
     nr = max(1, max(2, ROW_VALUES // window) * CHUNK_WORDS // fmt.chunk_words)
     while nr > n_out or (not SIMULATOR and nr > 1 and -(-n_out // nr) * tg < 32 * 1024):
         nr //= 2
@@ -82,15 +83,17 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
     dot(wa, sa, wb, sb, row_a, row_b, x, xrow, nx, lane, acc): the lane's partial sums acc[i, r] of weight
       row i (rows row_a.. of a, then row_b.. of b, all of which must exist: `group_first_row`) with
       activation row xrow[r] of x, r < nx <= window (nothing, not even a load, when nx is 0). Its first
-      weights are in flight before it waits for the previous kernel (`wait_for_prior_grids`), which a kernel
-      launched to overlap it must not touch before dot returns; then it lets the next kernel launch.
+      weights are in flight before it waits for the previous kernel (`wait_for_prior_grids`), then it lets the
+      next kernel launch: its caller reads nothing a kernel writes before it, or waits at its top itself (the
+      MoE kernels read their routing first; dot's wait then returns at once).
     reduce(red, g, lane, acc, nx): group g's lanes summed in a fixed tree: totals in red[g, i * window + r, 0]
       (for the group's lanes to read; a warp's shuffles when tg is 32, else a shared-memory tree).
     A sum's operations depend on (type, n_in, tg) only: every window and row count gives bitwise the same.
 
-    A chunk is 4 words of a row (Q6_K 12), read in 16-byte loads, and is applied in steps (`Format.step`):
-    the words whose values fill whole float4s of x (F32 4 words, F16 2, Q8_0 1; Q4_0 1 word, two float4s, as
-    a word holds values j and j + 16 of its block; Q6_K 3 words, four float4s), each step's x read in 16-byte
+    A chunk is 4 words of a row (Q6_K 12, Q5_K 20), read in 16-byte loads, and is applied in steps
+    (`Format.step`): the words whose values fill whole float4s of x (F32 4 words, F16 2, Q8_0 1; Q4_0 1 word,
+    two float4s, as a word holds values j and j + 16 of its block; Q6_K 3 words, four float4s; Q5_K 5 words'
+    halves, four float4s of four sub-blocks), each step's x read in 16-byte
     loads for every window row, then each row's words decoded once and applied to them. A chunk's products go
     into one sum per (row, window row, run of one scale) in value order, which the run's scale then multiplies.
     """
@@ -203,8 +206,8 @@ def decode_core(ggml_type, n_in: int, n_a: int, n_b: int, tg: int, unroll: int, 
             fetch(0, wa, sa, wb, sb, woff, lane, held, scale, low)
             # the weights are no kernel's output: their first loads overlap the previous kernel's drain. The
             # wait's 0 joins the index of every load of x, through the lane `apply` takes (joined to the weights'
-            # lane too, or to each window row, it cost up to 15 registers and 20 instructions a loop:
-            # BENCHMARKS.md run 50; this way both are main's)
+            # lane too, or to each window row, it cost up to 15 registers and 21 instructions a loop, ptxas:
+            # BENCHMARKS.md run 50; this way both are as without the wait)
             x_lane = lane + wait_for_prior_grids()
             let_dependents_launch()
             for it in range(0, padded, unroll):
