@@ -3,12 +3,7 @@
 # Usage, from the repository root on the device, after DEVICE.md's prefix: bash benchmarks/results/run51/run51.sh
 export NUMBA_ENABLE_CUDASIM=0
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
-step() {  # step NAME LIMIT command...: output to $OUT/NAME
-    local name=$1 limit=$2; shift 2
-    local started=$SECONDS
-    timeout $limit "$@" > $OUT/$name 2>&1
-    echo "== $name (rc $?, $((SECONDS - started)) s)"; tail -${TAIL:-4} $OUT/$name
-}
+. benchmarks/device_step.sh
 step gpu_chain.log 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_matmul.py -k chain
 step gpu_q5k.log 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_matmul.py -k "real_shape and Q5_K"
 TAIL=12 step decode.txt 150 python3 benchmarks/kernels_matmul.py decode --types Q4_0,Q8_0,Q5_K \
