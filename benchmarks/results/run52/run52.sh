@@ -1,6 +1,6 @@
 # Run 52 (to run): what run 51 (BENCHMARKS.md) left unmeasured, most needed first: the chain test at window 8
 # in the merged form, the resident e2e (tokens' digest should stay acf9b3d32fb8), Q5_K's decode rows, the
-# decode step's per-node breakdown (~400 s on a fresh machine). The profiles' missing Q5_K decode rate needs a
+# decode step's per-node breakdown (step limits summing to 400 s). The profiles' missing Q5_K decode rate needs a
 # detect, a call of its own (~312 s): `python3 -m planner.cli profile --detect -o P --name h100-80g`.
 # Usage, from the repository root on the device, after DEVICE.md's prefix: bash benchmarks/results/run52/run52.sh
 # Fresh machines spend most of a call compiling, so the kernel cache travels: a `.var/kc.tgz` that a previous
