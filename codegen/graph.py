@@ -158,10 +158,10 @@ class _Builder:
         k = self.op(p + "k_rope", "rope", [k, "positions"], (rows, k_dim),
                     flops=6.0 * rows * hp.n_head_kv * hp.n_rot // 2 + (4.0 * rows * k_dim if qk_norm else 0),
                     weights=(p + "attn_k_norm.weight",) if qk_norm else (), inplace=k)
-        self.fuse(q, k)         # one launch rotates both
         kv_row_bytes = row_bytes(k_dim, self.kv.k_type) + row_bytes(v_dim, self.kv.v_type)
         stored = self.op(p + "kv_store", "kv_store", [k, v, "positions"], (0,), kv_layer=layer,
                          kv_write=rows * kv_row_bytes)
+        self.fuse(q, k, stored)     # one launch rotates both and stores k and v (`make_rope`)
         if not compute_ffn:
             return stored
         kv_attrs = dict(flops_per_context_token=4.0 * rows * hp.n_head * hp.head_dim_k, kv_layer=layer,

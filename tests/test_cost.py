@@ -228,8 +228,8 @@ def test_a_launch_that_computes_several_nodes_is_priced_once(qwen, kind, tokens)
         node.pop("launched_by", None)
     separate = pass_cost(unfused, gpu, qwen, [0])
     fused_away = {graph.nodes[m]["op"] for name in launches for m in graph.nodes[name].get("fuses", ())}
-    assert fused_away == ({"rope", "matmul", "route_weights", "moe_groups"} if kind == "decode"
-                          else {"rope", "route_weights"})
+    assert fused_away == ({"rope", "kv_store", "matmul", "route_weights", "moe_groups"} if kind == "decode"
+                          else {"rope", "kv_store", "route_weights"})
     assert separate.n_nodes - cost.n_nodes == len(graph) - len(launches) - (3 if kind == "prefill" else 2)
     assert cost.fixed_s < separate.fixed_s
 

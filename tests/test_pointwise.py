@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as T
 
-from codegen.lower import pointwise, weights
+from codegen.lower import kv_pages, pointwise, weights
 from codegen.lower.cuda import cuda
+from planner.errors import StratumError
 from runtime import reference
 from tests.test_matmul import random_k_quant
 
@@ -90,61 +91,112 @@ def test_rmsnorm(rng, n):
     np.testing.assert_array_equal(rows_one_by_one(launch, x, w, np.empty_like(x)), got)
 
 
-# --- RoPE, with qwen3moe's q/k norm before it ----------------------------------------------------------------
+# --- RoPE, with qwen3moe's q/k norm before it and the K/V store after it -----------------------------------
 
 PLACEHOLDER = np.zeros(1, np.float32)       # a RoPE without the norm never reads its weight
+PAGE_TOKENS = 256
 
 
-def check_rope(rng, n_heads, n_k_heads, head_dim, n_rot, base, positions, norm=False):
-    """The kernel against the reference (head_rmsnorm, then rope_neox) on q and k of one launch: (launch, its
-    arrays, [q, k] rotated)."""
+class RopeCase:
+    """One RoPE launch's inputs: q, k, v, positions, and a permuted page table with spare slots (pages no
+    position of the launch reaches have none); `pages()` makes zeroed pages and the full-context host copy."""
+
+    def __init__(self, rng, kv_name, n_heads, n_k_heads, head_dim, n_rot, base, positions, norm):
+        rows = len(positions)
+        self.kv_name, self.n_k_heads, self.head_dim = kv_name, n_k_heads, head_dim
+        self.q = randn(rng, rows, n_heads * head_dim, scale=2.0)
+        self.k = randn(rng, rows, n_k_heads * head_dim, scale=2.0)
+        self.v = randn(rng, rows, n_k_heads * head_dim, scale=2.0)
+        self.positions = np.asarray(positions, dtype=np.int32)
+        self.q_w, self.k_w = (randn(rng, head_dim), randn(rng, head_dim)) if norm else (PLACEHOLDER, PLACEHOLDER)
+        self.n_pages = int(self.positions.max()) // PAGE_TOKENS + 1
+        used = np.unique(self.positions // PAGE_TOKENS)
+        self.table = np.full(self.n_pages, -1, np.int32)
+        self.table[used] = rng.permutation(len(used) + 2)[:len(used)]
+        self.n_slots = len(used) + 2
+        self.launch = pointwise.make_rope(kv_name, n_heads, n_k_heads, head_dim, head_dim, n_rot, base,
+                                          EPS if norm else None, PAGE_TOKENS)
+
+    def pages(self):
+        spec = lambda slots: kv_pages.kv_arrays(self.kv_name, slots, PAGE_TOKENS, self.n_k_heads, self.head_dim,
+                                                self.head_dim).allocate()
+        return spec(self.n_slots), spec(self.n_pages)
+
+    def run(self, rows=slice(None), pages=None, q=None):
+        """(q, k) rotated and the (slot pages, host copy) the launch stored into, for `rows` launched alone."""
+        pages, host = pages or self.pages()
+        q_d, k_d = cuda.to_device((self.q if q is None else q)[rows]), cuda.to_device(self.k[rows])
+        self.launch(0, q_d, cuda.to_device(self.q_w), k_d, cuda.to_device(self.k_w), cuda.to_device(self.v[rows]),
+                    cuda.to_device(self.positions[rows]), cuda.to_device(self.table), pages, host)
+        cuda.synchronize()
+        return q_d.copy_to_host(), k_d.copy_to_host(), (pages, host)
+
+
+def page_bytes(pages) -> list:
+    return [a.copy_to_host() for store in pages for a in store.stored_arrays()]
+
+
+def check_rope(rng, kv_name, n_heads, n_k_heads, head_dim, n_rot, base, positions, norm=False):
+    """The kernel against the reference (head_rmsnorm, then rope_neox) on q and k of one launch, and its pages
+    bitwise what `make_kv_store` stores from the rotated k and v (slots and host copy): (case, q and k rotated,
+    the pages)."""
+    case = RopeCase(rng, kv_name, n_heads, n_k_heads, head_dim, n_rot, base, positions, norm)
+    got_q, got_k, stored = case.run()
     rows = len(positions)
-    q, k = randn(rng, rows, n_heads * head_dim, scale=2.0), randn(rng, rows, n_k_heads * head_dim, scale=2.0)
-    positions = np.asarray(positions, dtype=np.int32)
-    q_w, k_w = (randn(rng, head_dim), randn(rng, head_dim)) if norm else (PLACEHOLDER, PLACEHOLDER)
-    launch = pointwise.make_rope(n_heads, n_k_heads, head_dim, n_rot, base, EPS if norm else None)
-    arrays = (q, q_w, k, k_w, positions)
-    got = run(launch, *arrays, results=[0, 2])
-    for x, w, heads, rotated in ((q, q_w, n_heads, got[0]), (k, k_w, n_k_heads, got[1])):
+    for x, w, heads, rotated in ((case.q, case.q_w, n_heads, got_q), (case.k, case.k_w, n_k_heads, got_k)):
         normed = reference.head_rmsnorm(x, w, heads, EPS) if norm else x
-        assert rel_l2(rotated, reference.rope_neox(normed, positions, heads, n_rot, base)) < TOLERANCE
+        assert rel_l2(rotated, reference.rope_neox(normed, case.positions, heads, n_rot, base)) < TOLERANCE
         after, before = rotated.reshape(rows, heads, head_dim), normed.reshape(rows, heads, head_dim)
         if norm and n_rot < head_dim:
             assert rel_l2(after[..., n_rot:], before[..., n_rot:]) < TOLERANCE
         elif not norm:      # dims past the rotation are left as they were
             np.testing.assert_array_equal(after[..., n_rot:], before[..., n_rot:])
-    return launch, arrays, got
+    pages, host = case.pages()
+    kv_pages.make_kv_store(kv_name, n_k_heads, head_dim, head_dim, PAGE_TOKENS)(
+        0, cuda.to_device(got_k), cuda.to_device(case.v), cuda.to_device(case.positions), cuda.to_device(case.table),
+        pages, host)
+    cuda.synchronize()
+    for got, want in zip(page_bytes(stored), page_bytes((pages, host))):
+        np.testing.assert_array_equal(got, want)
+    assert any(a.any() for a in page_bytes(stored))
+    return case, (got_q, got_k), stored
 
 
-# full and partial rotary; head dims of one element a thread and of several (300: a partial last step)
-@pytest.mark.parametrize("n_heads, n_k_heads, head_dim, n_rot, base", [(3, 1, 32, 32, 10000.0),
-                                                                       (3, 2, 32, 16, 1000000.0),
-                                                                       (2, 1, 300, 128, 1000000.0)])
+# full and partial rotary; head dims of one element a thread and of several (288: a partial last step)
+@pytest.mark.parametrize("kv_name, n_heads, n_k_heads, head_dim, n_rot, base", [("f16", 3, 1, 32, 32, 10000.0),
+                                                                                ("q8_0", 3, 2, 32, 16, 1000000.0),
+                                                                                ("k8v4", 2, 1, 288, 128, 1000000.0)])
 @pytest.mark.parametrize("norm", [False, True], ids=["rope", "norm+rope"])
-def test_rope(rng, n_heads, n_k_heads, head_dim, n_rot, base, norm):
+def test_rope(rng, kv_name, n_heads, n_k_heads, head_dim, n_rot, base, norm):
     positions = [0, 1, int(rng.integers(2, 4096)), 29999, int(rng.integers(30000, 32768))]
-    launch, arrays, got = check_rope(rng, n_heads, n_k_heads, head_dim, n_rot, base, positions, norm)
-    for one_by_one, batched in zip(rows_one_by_one(launch, *arrays, results=[0, 2]), got):
+    case, got, stored = check_rope(rng, kv_name, n_heads, n_k_heads, head_dim, n_rot, base, positions, norm)
+    alone = case.pages()
+    for r in range(len(positions)):     # each row launched alone rotates and stores the same bits
+        q, k, _ = case.run(slice(r, r + 1), alone)
+        np.testing.assert_array_equal(q, got[0][r:r + 1])
+        np.testing.assert_array_equal(k, got[1][r:r + 1])
+    for one_by_one, batched in zip(page_bytes(alone), page_bytes(stored)):
         np.testing.assert_array_equal(one_by_one, batched)
 
 
 def test_rope_norms_each_head_on_its_own(rng):
     n_heads, head_dim = 3, 32
-    launch, (q, q_w, k, k_w, positions), (got_q, got_k) = check_rope(rng, n_heads, 2, head_dim, head_dim, 10000.0,
-                                                                     [3, 70, 900], norm=True)
-    scaled = q.copy()
+    case, (got_q, got_k), _ = check_rope(rng, "f16", n_heads, 2, head_dim, head_dim, 10000.0, [3, 70, 900], norm=True)
+    scaled = case.q.copy()
     scaled[:, :head_dim] *= 7
-    again_q, again_k = run(launch, scaled, q_w, k, k_w, positions, results=[0, 2])
+    again_q, again_k, _ = case.run(q=scaled)
     np.testing.assert_array_equal(again_q[:, head_dim:], got_q[:, head_dim:])
     np.testing.assert_array_equal(again_k, got_k)        # k's heads do not see q's
     assert rel_l2(again_q[:, :head_dim], got_q[:, :head_dim]) < TOLERANCE     # a norm does not see a head's scale
 
 
-def test_rope_rejects_odd_or_oversized_rotation():
-    with pytest.raises(ValueError):
-        pointwise.make_rope(2, 1, 32, 15, 10000.0)
-    with pytest.raises(ValueError):
-        pointwise.make_rope(2, 1, 32, 64, 10000.0)
+def test_rope_rejects_odd_or_oversized_rotation_and_heads_the_store_cannot_hold():
+    with pytest.raises(ValueError, match="n_rot 15 must be even"):
+        pointwise.make_rope("f16", 2, 1, 32, 32, 15, 10000.0, None, PAGE_TOKENS)
+    with pytest.raises(ValueError, match="within the head"):
+        pointwise.make_rope("f16", 2, 1, 32, 32, 64, 10000.0, None, PAGE_TOKENS)
+    with pytest.raises(StratumError, match="head_dim_v = 48"):
+        pointwise.make_rope("f16", 2, 1, 32, 48, 32, 10000.0, None, PAGE_TOKENS)
 
 
 # --- concat ------------------------------------------------------------------------------------------------
@@ -317,17 +369,18 @@ def test_gpu_rmsnorm(rng, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_heads, n_k_heads, n_rot, base, norm", [(32, 4, 128, 1000000.0, True),
-                                                                   (96, 8, 64, 1000000.0, False),
-                                                                   (4, 4, 128, 10000.0, False)])
-def test_gpu_rope(rng, n_heads, n_k_heads, n_rot, base, norm):
+@pytest.mark.parametrize("kv_name, n_heads, n_k_heads, n_rot, base, norm", [("f16", 32, 4, 128, 1000000.0, True),
+                                                                            ("q8_0", 96, 8, 64, 1000000.0, False),
+                                                                            ("q4_0", 4, 4, 128, 10000.0, False)])
+def test_gpu_rope(rng, kv_name, n_heads, n_k_heads, n_rot, base, norm):
     positions = np.sort(rng.integers(0, 32768, 64))
     positions[:2] = [0, 30000]
-    launch, (q, q_w, k, k_w, positions), got = check_rope(rng, n_heads, n_k_heads, 128, n_rot, base, positions,
-                                                          norm)
-    firsts = rows_one_by_one(launch, q[:8], q_w, k[:8], k_w, positions[:8], results=[0, 2])
-    for one_by_one, batched in zip(firsts, got):
-        np.testing.assert_array_equal(one_by_one, batched[:8])
+    case, got, stored = check_rope(rng, kv_name, n_heads, n_k_heads, 128, n_rot, base, positions, norm)
+    firsts = case.pages()
+    for r in range(8):
+        q, k, _ = case.run(slice(r, r + 1), firsts)
+        np.testing.assert_array_equal(q, got[0][r:r + 1])
+        np.testing.assert_array_equal(k, got[1][r:r + 1])
 
 
 @pytest.mark.gpu

@@ -1,4 +1,6 @@
-"""K/V pages: their layout, the element formats of their words, and the K/V store kernel.
+"""K/V pages: their layout, the element formats of their words, and the K/V store (a pass stores its K/V in
+its RoPE launch, `codegen.lower.pointwise.make_rope`, through `block_store`; `make_kv_store` fills pages from
+given K/V for tests and benchmarks).
 
 
 K/V pages. A layer's K/V lives in `n_slots` slots of `page_tokens` positions; logical page
@@ -333,11 +335,12 @@ _WRITER_PARTS = {T.F32: QUANT_BLOCK, T.F16: QUANT_BLOCK // 2, T.Q8_0: 1, T.Q4_0:
 
 
 @functools.cache
-def _block_store(ggml_type: T, n_head_kv: int, head_dim: int, page_tokens: int):
-    """(store, parts): store(i, x, positions, page_table, data, scales, host_data, host_scales, through) writes
-    part i % parts of block i // parts (row, kv head, 32 values) of x (quantized) into its position's page: in
-    the slot the page table gives (none when -1), and when `through`, into the host copy's page too (the same
-    bits)."""
+def block_store(ggml_type: T, n_head_kv: int, head_dim: int, page_tokens: int):
+    """(store, units a head): store(i, x, positions, page_table, data, scales, host_data, host_scales, through)
+    writes unit i of x's rows (row, kv head, 32-value block, then the block's part: a thread per quantized block,
+    per word of a float one) into its position's page, quantized: in the slot the page table gives (none when
+    -1), and when `through`, into the host copy's page too (the same bits). A head's units are consecutive, so
+    unit (row * n_head_kv + head) * units + u is its u-th."""
     ggml_type = T(ggml_type)
     blocks = head_dim // QUANT_BLOCK
     parts = _WRITER_PARTS[ggml_type]
@@ -360,7 +363,7 @@ def _block_store(ggml_type: T, n_head_kv: int, head_dim: int, page_tokens: int):
         if through:
             write(x, row, head * head_dim + block * QUANT_BLOCK, host_data, host_scales, page, at * block_words, at,
                   part)
-    return store, parts
+    return store, blocks * parts
 
 
 @functools.cache
@@ -368,13 +371,13 @@ def make_kv_store(kv_type_name, n_head_kv: int, head_dim_k: int, head_dim_v: int
     """launch(stream, k, v, positions, page_table, pages, host_pages=None): k f32 (rows, n_kv*dk) and v f32
     (rows, n_kv*dv) at int32 `positions` into their pages (quantized bit-exactly as gguf-py does): each page
     into the slot page_table gives, and with `host_pages` (the whole context's pages, page p at index p, in
-    mapped host memory) into the host copy too; a thread per 32 values quantized, per word of f16 or f32."""
+    mapped host memory) into the host copy too; a thread per 32 values quantized, per word of f16 or f32 (the
+    same bits as a pass's store in its RoPE launch)."""
     kv = kv_types(kv_type_name)
     check_head_dims(head_dim_k=head_dim_k, head_dim_v=head_dim_v)
-    store_k, k_parts = _block_store(kv.k_type, n_head_kv, head_dim_k, page_tokens)
-    store_v, v_parts = _block_store(kv.v_type, n_head_kv, head_dim_v, page_tokens)
-    k_blocks = n_head_kv * head_dim_k // QUANT_BLOCK * k_parts      # threads per row
-    v_blocks = n_head_kv * head_dim_v // QUANT_BLOCK * v_parts
+    store_k, k_units = block_store(kv.k_type, n_head_kv, head_dim_k, page_tokens)
+    store_v, v_units = block_store(kv.v_type, n_head_kv, head_dim_v, page_tokens)
+    k_blocks, v_blocks = n_head_kv * k_units, n_head_kv * v_units      # threads per row
 
     @overlapping
     @cuda.jit

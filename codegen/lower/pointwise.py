@@ -1,6 +1,6 @@
-"""Pointwise and routing kernels: embedding, RMSNorm, NEOX RoPE (with the q/k norm before it), concat, router
-top-k and route weights, argmax. (The residual adds are the epilogues of the projections that end a block's
-halves: `codegen.lower.matmul`, `codegen.lower.moe`.)
+"""Pointwise and routing kernels: embedding, RMSNorm, NEOX RoPE (with the q/k norm before it and the K/V store
+after it), concat, router top-k and route weights, argmax. (The residual adds are the epilogues of the
+projections that end a block's halves: `codegen.lower.matmul`, `codegen.lower.moe`.)
 
 Every kernel gives each row (or each row's head) its own block, or its own threads for the elementwise ones,
 so a row's result never depends on how many rows the launch holds; the reductions (sum of squares, argmax)
@@ -16,6 +16,7 @@ import math
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
+from codegen.lower import kv_pages
 from codegen.lower.cuda import begin_after_prior_grids, better, cuda, launch_kernel, overlapping, warp_sum
 from codegen.lower.word_formats import FORMATS
 
@@ -225,29 +226,36 @@ def make_rmsnorm(n: int, eps: float):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# RoPE, with the q/k norm before it
+# RoPE, with the q/k norm before it and the K/V store after it
 
 
 @functools.cache
-def make_rope(n_q_heads: int, n_k_heads: int, head_dim: int, n_rot: int, base: float, eps: float | None = None):
-    """launch(stream, q, q_weight, k, k_weight, positions): NEOX RoPE in place on q (rows, n_q_heads * head_dim)
-    and k (rows, n_k_heads * head_dim) at int32 positions (rows,), in one launch: pairs (i, i + n_rot/2) of
-    each head, theta = pos * base^(-2i/n_rot) and its cos/sin in float64, the rotation in float32; dims >= n_rot
-    keep their value. With `eps`, each head is first RMSNormed with its tensor's weight (head_dim,) (qwen3moe's
-    q/k norm: one launch where two norms and two rotations took four); without, the weights are 1-element
-    placeholders, never read.
+def make_rope(kv_type_name, n_q_heads: int, n_k_heads: int, head_dim_k: int, head_dim_v: int, n_rot: int,
+              base: float, eps: float | None, page_tokens: int):
+    """launch(stream, q, q_weight, k, k_weight, v, positions, page_table, pages, host_pages=None): NEOX RoPE in
+    place on q (rows, n_q_heads * head_dim_k) and k (rows, n_k_heads * head_dim_k) at int32 positions (rows,),
+    then k and v (rows, n_k_heads * head_dim_v) stored into their pages as `kv_pages.make_kv_store` stores them
+    (the same bits; into the host copy too with `host_pages`), in one launch: the store was a launch of its own,
+    and a decode step pays ~2 us for each (BENCHMARKS.md). RoPE rotates pairs (i, i + n_rot/2) of each head,
+    theta = pos * base^(-2i/n_rot) and its cos/sin in float64, the rotation in float32; dims >= n_rot keep
+    their value. With `eps`, each head is first RMSNormed with its tensor's weight (head_dim_k,) (qwen3moe's q/k
+    norm); without, the weights are 1-element placeholders, never read.
 
-    A block per (row, head), q's heads then k's: each thread loads its values (and weights) before it uses
-    them, sums its squares in index order, then the block's fixed tree adds the threads'; the normed head goes
-    through shared memory, since a rotated value needs its pair's, and pair i's thread writes both of its
-    values."""
-    if n_rot % 2 or not 0 < n_rot <= head_dim:
-        raise ValueError(f"n_rot {n_rot} must be even and within the head ({head_dim})")
+    A block per (row, head): q's heads, k's, then v's (which only store). Each thread loads its values (and
+    weights) before it uses them, sums its squares in index order, then the block's fixed tree adds the
+    threads'; the normed head goes through shared memory, since a rotated value needs its pair's, and pair i's
+    thread writes both of its values; a k head's block stores the head once every thread has written it."""
+    if n_rot % 2 or not 0 < n_rot <= head_dim_k:
+        raise ValueError(f"n_rot {n_rot} must be even and within the head ({head_dim_k})")
+    kv = kv_pages.kv_types(kv_type_name)
+    kv_pages.check_head_dims(head_dim_k=head_dim_k, head_dim_v=head_dim_v)
+    store_k, k_units = kv_pages.block_store(kv.k_type, n_k_heads, head_dim_k, page_tokens)
+    store_v, v_units = kv_pages.block_store(kv.v_type, n_k_heads, head_dim_v, page_tokens)
     half = n_rot // 2
-    heads = n_q_heads + n_k_heads
+    rotated_heads = n_q_heads + n_k_heads
     inv_freq = base ** (-2.0 * np.arange(half) / n_rot)      # float64, as the reference computes it
     normed = eps is not None
-    threads, steps, whole, load, normalize = _run_norm(head_dim, eps or 0.0)
+    threads, steps, whole, load, normalize = _run_norm(head_dim_k, eps or 0.0)
 
     @cuda.jit(device=True, inline=True)
     def rotate(x, weight, row, first, position, head, partial, values, weights):
@@ -257,7 +265,7 @@ def make_rope(n_q_heads: int, n_k_heads: int, head_dim: int, n_rot: int, base: f
             normalize(values, weights, weight, partial)
         for u in range(steps):
             j = tid + u * threads
-            if whole or j < head_dim:
+            if whole or j < head_dim_k:
                 head[j] = values[u]
         cuda.syncthreads()
         for u in range(steps):
@@ -267,26 +275,44 @@ def make_rope(n_q_heads: int, n_k_heads: int, head_dim: int, n_rot: int, base: f
                 cos, sin = np.float32(math.cos(theta)), np.float32(math.sin(theta))
                 x[row, first + j] = head[j] * cos - head[j + half] * sin
                 x[row, first + j + half] = head[j] * sin + head[j + half] * cos
-            elif j >= n_rot and (whole or j < head_dim) and normed:
+            elif j >= n_rot and (whole or j < head_dim_k) and normed:
                 x[row, first + j] = values[u]
 
     @overlapping
     @cuda.jit
-    def kernel(q, q_weight, k, k_weight, positions):
+    def kernel(q, q_weight, k, k_weight, v, positions, page_table, k_data, k_scales, v_data, v_scales, hk_data,
+               hk_scales, hv_data, hv_scales, through):
         begin_after_prior_grids()
+        tid = cuda.threadIdx.x
         block = cuda.blockIdx.x
-        row, h = block // heads, block % heads
-        head = cuda.shared.array(head_dim, np.float32)
+        row, h = block // (rotated_heads + n_k_heads), block % (rotated_heads + n_k_heads)
+        head = cuda.shared.array(head_dim_k, np.float32)
         partial = cuda.shared.array(threads, np.float32)
         values = cuda.local.array(steps, np.float32)
         weights = cuda.local.array(steps, np.float32)
         position = np.float64(positions[row])
-        if h < n_q_heads:       # (the same branch for the whole block)
-            rotate(q, q_weight, row, h * head_dim, position, head, partial, values, weights)
+        # (each branch is the same for the whole block)
+        if h < n_q_heads:
+            rotate(q, q_weight, row, h * head_dim_k, position, head, partial, values, weights)
+        elif h < rotated_heads:
+            kv_head = h - n_q_heads
+            rotate(k, k_weight, row, kv_head * head_dim_k, position, head, partial, values, weights)
+            cuda.syncthreads()      # the head's rotated values, written by other threads, are the store's
+            for u in range(tid, k_units, threads):
+                store_k((row * n_k_heads + kv_head) * k_units + u, k, positions, page_table, k_data, k_scales,
+                        hk_data, hk_scales, through)
         else:
-            rotate(k, k_weight, row, (h - n_q_heads) * head_dim, position, head, partial, values, weights)
+            kv_head = h - rotated_heads
+            for u in range(tid, v_units, threads):
+                store_v((row * n_k_heads + kv_head) * v_units + u, v, positions, page_table, v_data, v_scales,
+                        hv_data, hv_scales, through)
 
-    return _per_row(kernel, threads, heads)
+    def launch(stream, q, q_weight, k, k_weight, v, positions, page_table, pages, host_pages=None):
+        if q.shape[0]:
+            launch_kernel(kernel, q.shape[0] * (rotated_heads + n_k_heads), threads, stream, q, q_weight, k, k_weight,
+                          v, positions, page_table, *pages.arrays(), *kv_pages.host_arrays(pages, host_pages),
+                          int(host_pages is not None))
+    return launch
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from codegen.graph import ROUTER_OPS, build_pass, launch_members, launched, nodes_in_order, representative_layers
-from codegen.lower import attention, attention_combine, kv_pages, matmul, moe, pointwise
+from codegen.lower import attention, attention_combine, matmul, moe, pointwise
 from codegen.lower.cuda import cuda
 from codegen.memory import full_pass_offsets, plan_arena
 from planner.architecture import tensor_layer
@@ -149,14 +149,17 @@ class _Lowering:
             return Step(name, pointwise.make_embed(table.ggml_type, hp.n_embd), (inputs[0], table, out))
         if op == "rmsnorm":
             return Step(name, pointwise.make_rmsnorm(shape[1], hp.rms_eps), (inputs[0], self.vector(weights[0]), out))
-        if op == "rope":        # q's, which rotates k too; with weights: each head RMSNormed first (qwen3moe)
-            (x, positions), (k_name,) = inputs, node["fuses"]
+        if op == "rope":        # q's, which rotates k too and stores k and v; with weights: each head is
+            (x, positions), (k_name, store_name) = inputs, node["fuses"]    # RMSNormed first (qwen3moe)
             k_node = self.graph.nodes[k_name]
+            _k, v_name, _positions = self.graph.predecessors(store_name)
             q_norm, k_norm = ((self.vector(weights[0]), self.vector(k_node["weights"][0])) if weights
                               else (self.f32_placeholder, self.f32_placeholder))
-            launch = pointwise.make_rope(shape[1] // hp.head_dim_k, k_node["shape"][1] // hp.head_dim_k,
-                                         hp.head_dim_k, hp.n_rot, hp.rope_base, hp.rms_eps if weights else None)
-            return Step(name, launch, (x, q_norm, self.tensors[k_name], k_norm, positions))
+            launch = pointwise.make_rope(self.kv_type, shape[1] // hp.head_dim_k, k_node["shape"][1] // hp.head_dim_k,
+                                         hp.head_dim_k, hp.head_dim_v, hp.n_rot, hp.rope_base,
+                                         hp.rms_eps if weights else None, self.page_tokens(layer))
+            return Step(name, launch, (x, q_norm, self.tensors[k_name], k_norm, self.tensors[v_name], positions,
+                                       self.page_tables[layer], self.kv_pages[layer], self.host_kv.get(layer)))
         if op == "matmul" and "fuses" in node:     # a decode window's q, with k and v
             args, parts = [], []
             for member in launch_members(self.graph, name):
@@ -206,12 +209,6 @@ class _Lowering:
             return Step(name, launch, (act, groups, *route_weights, self.expert_slots[layer], down, host_down, out))
         if op == "moe_combine":     # terms, ids, route weights, then the residual stream: out's buffer
             return Step(name, moe.make_moe_combine(hp.n_embd, hp.n_expert_used), (*inputs[:3], out))
-        if op == "kv_store":
-            k, v, positions = inputs
-            launch = kv_pages.make_kv_store(self.kv_type, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v,
-                                             self.page_tokens(layer))
-            return Step(name, launch, (k, v, positions, self.page_tables[layer], self.kv_pages[layer],
-                                       self.host_kv.get(layer)))
         if op == "attention":
             q, _stored, positions = inputs
             launch = attention.make_attention(family, self.kv_type, hp.n_head, hp.n_head_kv, hp.head_dim_k,
