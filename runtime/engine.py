@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from codegen.graph import ROUTER_OPS
 from codegen.lower import MAX_WINDOW
-from codegen.lower.cuda import SIMULATOR, CapturedGraph, copy_rows, cuda, kernel_counts
+from codegen.lower.cuda import (SIMULATOR, CapturedGraph, copy_rows, cuda, kernel_counts, mapped_device_view,
+                                mapped_filled)
 from codegen.lower.program import arena_layout, lower
 from codegen.lower.weights import check_swiglu_types, iter_gguf
 from planner.architecture import tensor_layer
@@ -124,7 +124,10 @@ class Engine:
         self.drafter_kv_pass = self._check_drafter_kv_pass(drafter_kv_pass)
         self._load_weights(tensors)
         self.programs, self.graphs = {}, {}
-        self.decode_ids = cuda.pinned_array((len(self.moe_blocks), MAX_WINDOW, self.hp.n_expert_used), np.int32)
+        # a decode window's routed ids, which its routing launches write in place (mapped host memory: no copy
+        # node in the captured step, BENCHMARKS.md run 53)
+        self.decode_ids = mapped_filled((len(self.moe_blocks), MAX_WINDOW, self.hp.n_expert_used), np.int32)
+        self.decode_ids_view = mapped_device_view(self.decode_ids)
         self.staging = cuda.pinned_array((3, self.chunk_tokens), np.int32)
         # pinned destinations of the routed ids prefill reads back per block, of a window's greedy tokens and
         # of the hidden states the drafter reads (a verify window's rows; the one the next draft step takes)
@@ -269,9 +272,11 @@ class Engine:
                 page_tables.update(drafter["page_tables"])
                 tables = {**tables, **drafter["expert_slots"]}
                 windows = drafter["attention_windows"]
+            routed_ids = ({block: self.decode_ids_view[i] for i, block in enumerate(self.moe_blocks)}
+                          if kind == "decode" else {})
             self.programs[key] = lower(graph, self.hp, self.weights, kv_pages, page_tables, arena, offsets,
                                        expert_slots=tables, host_experts=host, host_kv=ring.host,
-                                       attention_windows=windows)
+                                       attention_windows=windows, routed_ids=routed_ids)
         return self.programs[key]
 
     def _inputs(self, program, token_ids, start: int, next_ids=None) -> None:
@@ -405,15 +410,12 @@ class Engine:
             graph.replay(self.compute)
 
     def _enqueue_decode(self, stream, rows: int) -> None:
-        """A decode window as captured: its staged inputs in, its kernels (each MoE block's routed ids out for
-        the cache policy), its greedy tokens (and, with the drafter, hidden states) out to pinned memory."""
+        """A decode window as captured: its staged inputs in, its kernels (each MoE block's routing writes its ids
+        into `decode_ids` for the cache policy), its greedy tokens (and, with the drafter, hidden states) out to
+        pinned memory."""
         program = self._program("decode", rows)
         self._copy_inputs(program, rows, stream)
-        for step in program.steps:
-            step.run(stream)
-            if program.graph.nodes[step.name]["op"] in ROUTER_OPS:
-                index = self.moe_blocks.index(tensor_layer(step.name))
-                program.tensors[step.name].copy_to_host(self.decode_ids[index, :rows], stream=stream)
+        program.run(stream)
         copy_rows(self.greedy, 0, program.tensors["argmax"], 0, rows, stream)
         if self.drafter is not None:
             copy_rows(self.hiddens, 0, program.tensors["head_norm"], 0, rows, stream)

@@ -96,8 +96,12 @@ def test_device_allocation_is_the_plan_and_greedy_tokens_are_the_references(fold
         engine.experts.counts[:, 4:] = 100
         out = engine.generate(prompt, max_new_tokens=4, return_logits=True)
         assert engine.stats()["experts_refreshed"] == 4 and sorted(engine.experts.resident[0]) == [4, 5, 6, 7]
+        last_step_ids = engine.decode_ids[:, 0].copy()     # as its routing launches wrote them (no copy node)
     assert counting.bytes == [plan.device_bytes(0)]
-    want = reference.forward(model, prompt + out.tokens[:-1])[len(prompt) - 1:]
+    read = prompt + out.tokens[:-1]
+    routes = reference.routing(model, read, plan.settings["kv"])
+    np.testing.assert_array_equal(last_step_ids, [routes[block][len(read) - 1] for block in sorted(routes)])
+    want = reference.forward(model, read)[len(prompt) - 1:]
     assert out.tokens == [int(np.argmax(row)) for row in want]
     assert np.linalg.norm(out.logits - want) / np.linalg.norm(want) < 1e-4
 

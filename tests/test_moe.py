@@ -10,7 +10,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import EXPERT_TILE_ROWS, moe_groups_length
 from codegen.lower import MAX_WINDOW, moe, pointwise, weights
-from codegen.lower.cuda import cuda
+from codegen.lower.cuda import cuda, mapped_device_view, mapped_filled
 from runtime import reference
 from tests.test_matmul import TOL, activations, rel_err
 
@@ -69,7 +69,8 @@ ROUTE_CASES = [("softmax", True, 1.0), ("sigmoid", True, 2.5), ("sigmoid", False
 
 def check_moe_route(rng, n_expert, k, gating, normalize, scale, rows):
     """The decode family's routing launch: bitwise the ids and weights of the prefill family's router (which
-    runs a smaller block), the groups buffer of the grouping kernel."""
+    runs a smaller block), the groups buffer of the grouping kernel, the ids in the host's copy too (a
+    window's rows of it; the rest untouched)."""
     logits = (rng.standard_normal((rows, n_expert)) * 2).astype(np.float32)
     logits[0, 5] = logits[0, 9]          # a tie: the lower index first
     bias = ((rng.standard_normal(n_expert) * 0.1).astype(np.float32) if gating == "sigmoid"
@@ -77,13 +78,18 @@ def check_moe_route(rng, n_expert, k, gating, normalize, scale, rows):
     d_logits, d_bias = cuda.to_device(logits), cuda.to_device(bias)
     ids, route_w = cuda.device_array((rows, k), np.int32), cuda.device_array((rows, k), np.float32)
     groups = cuda.to_device(np.full(moe_groups_length(n_expert, rows * k), -7, np.int32))
-    moe.make_moe_route(n_expert, k, gating, normalize, scale)(0, d_logits, d_bias, ids, route_w, groups)
+    host_ids = mapped_filled((MAX_WINDOW, k), np.int32, -3)
+    moe.make_moe_route(n_expert, k, gating, normalize, scale)(0, d_logits, d_bias, ids, route_w, groups,
+                                                             mapped_device_view(host_ids))
+    cuda.synchronize()
     one_by_one_ids, one_by_one_w = cuda.device_array((rows, k), np.int32), cuda.device_array((rows, k), np.float32)
     pointwise.make_router(n_expert, k, gating, normalize, scale)(0, d_logits, d_bias, one_by_one_ids, one_by_one_w)
     np.testing.assert_array_equal(ids.copy_to_host(), one_by_one_ids.copy_to_host())
     np.testing.assert_array_equal(route_w.copy_to_host(), one_by_one_w.copy_to_host())
     expected_ids, _ = reference.route(logits, k, gating, bias if gating == "sigmoid" else None)
     np.testing.assert_array_equal(ids.copy_to_host(), expected_ids)
+    np.testing.assert_array_equal(host_ids[:rows], expected_ids)
+    assert (host_ids[rows:] == -3).all()
     check_groups(groups, ids.copy_to_host(), n_expert)
 
 

@@ -175,19 +175,22 @@ def make_moe_groups(n_expert: int, k: int):
 
 @functools.cache
 def make_moe_route(n_expert: int, k: int, gating: str, normalize: bool, scale: float):
-    """launch(stream, logits, bias, ids, weights, groups): a decode window's routing in one launch, a block:
+    """launch(stream, logits, bias, ids, weights, groups, host_ids=None): a decode window's routing in one launch,
+    a block:
     each row's ids and route weights in turn (`pointwise.block_router`, as prefill's `make_router` runs it on
     fewer threads: the same bits), then their pairs grouped into `make_moe_groups`' buffer (the same values). The
     grouping counts straight from the window's ids in shared memory (at most MAX_WINDOW * k pairs), a thread
     a pair and an expert: an expert's offset is the pairs of lower experts, a pair's place its offset plus the
     same expert's earlier pairs, an active expert's rank the distinct lower experts; one barrier beyond the
-    router's."""
+    router's. The ids also go to `host_ids` (MAX_WINDOW or more rows, k; the runtime's mapped host memory),
+    where the host reads them after the step: a copy node between this launch and the next would hold the
+    next one back until the copy is done (no overlapping launch across it), once per MoE block and step."""
     route = pointwise.block_router(n_expert, k, gating, normalize, scale, ROUTE_THREADS)
     max_pairs = MAX_WINDOW * k
 
     @overlapping
     @cuda.jit
-    def kernel(logits, bias, ids, weights, groups):
+    def kernel(logits, bias, ids, weights, groups, host_ids):
         begin_after_prior_grids()
         chosen = cuda.shared.array((MAX_WINDOW, k), np.int32)
         first = cuda.shared.array(max_pairs, np.int32)        # 1: the pair is its expert's first
@@ -199,6 +202,7 @@ def make_moe_route(n_expert: int, k: int, gating: str, normalize: bool, scale: f
         for p in range(t, n_pairs, ROUTE_THREADS):
             expert = chosen[p // k, p % k]
             ids[p // k, p % k] = expert
+            host_ids[p // k, p % k] = expert
             below, before = 0, 0
             for q in range(n_pairs):
                 other = chosen[q // k, q % k]
@@ -228,9 +232,10 @@ def make_moe_route(n_expert: int, k: int, gating: str, normalize: bool, scale: f
                 distinct += first[q]
             groups[active] = distinct
 
-    def launch(stream, logits, bias, ids, weights, groups):
+    def launch(stream, logits, bias, ids, weights, groups, host_ids=None):
         window_rows(logits)
-        launch_kernel(kernel, 1, ROUTE_THREADS, stream, logits, bias, ids, weights, groups)
+        launch_kernel(kernel, 1, ROUTE_THREADS, stream, logits, bias, ids, weights, groups,
+                      ids if host_ids is None else host_ids)
     return launch
 
 

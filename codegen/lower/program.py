@@ -117,9 +117,9 @@ class _ArenaViews(Mapping):
 
 class _Lowering:
     def __init__(self, graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots,
-                 host_experts, host_kv, attention_windows):
+                 host_experts, host_kv, attention_windows, routed_ids):
         self.graph, self.hp, self.weights = graph, hparams, weights
-        self.host_kv, self.attention_windows = host_kv, attention_windows
+        self.host_kv, self.attention_windows, self.routed_ids = host_kv, attention_windows, routed_ids
         self.kv_pages, self.page_tables, self.expert_slots = kv_pages, page_tables, expert_slots
         self.host_experts = host_experts
         self.family = "prefill" if graph.graph["kind"] == "prefill" else "decode"
@@ -186,7 +186,8 @@ class _Lowering:
             weighing = self.graph.nodes[node["fuses"][0]]      # the route weights' node (then the groups')
             make = moe.make_moe_route if op == "moe_route" else pointwise.make_router
             launch = make(hp.n_expert, hp.n_expert_used, node["gating"], weighing["normalize"], weighing["scale"])
-            return Step(name, launch, (inputs[0], bias, out, *(self.tensors[m] for m in node["fuses"])))
+            host_ids = (self.routed_ids[layer],) if op == "moe_route" and layer in self.routed_ids else ()
+            return Step(name, launch, (inputs[0], bias, out, *(self.tensors[m] for m in node["fuses"]), *host_ids))
         if op == "argmax":
             return Step(name, pointwise.make_argmax(hp.n_vocab), (inputs[0], out))
         if op == "moe_groups":
@@ -231,7 +232,7 @@ class _Lowering:
 
 def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, arena, offsets: dict,
           expert_slots: dict | None = None, host_experts: dict | None = None, host_kv: dict | None = None,
-          attention_windows: dict | None = None) -> Program:
+          attention_windows: dict | None = None, routed_ids: dict | None = None) -> Program:
     """Bind every node of `graph` to its kernel.
 
     weights: GGUF tensor name -> DeviceWeight; kv_pages: layer -> the layer's K/V pages on the device
@@ -244,7 +245,9 @@ def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, aren
     with every slot >= 0 nothing changes); host_kv: layer -> the host copy of its K/V pages (the whole context,
     page p at index p, mapped host memory): stores write through to it, and attention reads a page from it when
     the page table says -1 (a layer without: every page must have a slot); attention_windows: layer -> the
-    positions a row's attention reaches back (the drafter's window; a layer without reads its whole context).
+    positions a row's attention reaches back (the drafter's window; a layer without reads its whole context);
+    routed_ids: MoE layer -> a (MAX_WINDOW, k) int32 device view of mapped host memory where a decode window's
+    routing launch writes its ids too, for the host to read after the step (a layer without: only the arena).
     The steps launch the MoE kernels over every expert (lo=0, hi=None). A node's kernel, weights and tables
     are checked when its step is bound (on first use).
     """
@@ -252,6 +255,6 @@ def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, aren
         identity = cuda.to_device(np.arange(hparams.n_expert, dtype=np.int32))
         expert_slots = {layer: identity for layer in range(hparams.n_layer)}
     lowering = _Lowering(graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots,
-                         host_experts or {}, host_kv or {}, attention_windows or {})
+                         host_experts or {}, host_kv or {}, attention_windows or {}, routed_ids or {})
     names = [name for name in nodes_in_order(graph) if launched(graph.nodes[name])]
     return Program(graph, Steps(lowering, names), lowering.tensors)
