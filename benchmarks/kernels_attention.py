@@ -26,8 +26,9 @@ Versions (decode):
       instead of ~12 instructions); "v4 +q8" converts q8_0 too (int8 view, I2F, times the scale); the
       cut of prefill v1
   v5  production (codegen.lower.attention_decode): a warp per tile of 32 positions, a lane per position for
-      the scores (its K row read straight from the page, 4 chunks in flight) and per V dims for P V (4 rows
-      in flight), the tile's max by shuffles, DECODE_WARPS warps a block merged at the end
+      the scores (its K row read straight from the page, 8 chunks in flight for f16, 4 for q8_0) and per V
+      dims for P V (16 rows in flight for f16, 8 for q8_0; before run 53 4 and 8 for both), the tile's max by
+      shuffles, DECODE_WARPS warps a block merged at the end
 Prefill (--prefill: only this table; --decode: only the decode table): v1, the previous kernel (`codegen.lower.attention`, a block's 8 rows one
 after another, five barriers a row and tile); v2, production (`codegen.lower.attention_prefill`, a block's 32
 query vectors against each staged tile at once, register-blocked scores and P V).

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 import numpy as np
+from gguf.constants import GGMLQuantizationType as T
 
 from codegen.graph import (ATTENTION_SPLITS, EXPERT_TILE_ROWS, TILE_WEIGHT_ROWS, TILED_OPS, Tiling, expert_tiles,
                            launch_members, launched, prefill_tiling, representative_of)
@@ -40,12 +41,12 @@ GROUPING_OPS = ("moe_groups", "moe_route")     # one thread block each: they fol
 DECODE_ROUND_BYTES = 32 * 16    # a warp's loads of a weight row in flight at once: a 16-byte chunk a lane
 #                                 (codegen.lower.matmul_decode.CHUNK_WORDS words), one chunk in flight (unroll 1)
 # decode attention's shape (codegen.lower.attention_decode, whose constants tests/test_cost.py checks these
-# against): a warp's tile of positions, the K chunks and V rows it has in flight, and a block's warps on a GPU
+# against): a warp's tile of positions, its K rows' load size, and a block's warps on a GPU; what it keeps in
+# flight is `decode_attention_in_flight`, which the kernel takes from here
 DECODE_ATTENTION_TILE = 32
 DECODE_ATTENTION_K_CHUNK_BYTES = 16
-DECODE_ATTENTION_K_AHEAD = 4
-DECODE_ATTENTION_V_AHEAD = 8
 DECODE_ATTENTION_WARPS = 4
+FLOAT_KV = (T.F32, T.F16)
 
 
 def kernel_family(node: dict, decode: bool, in_l2: bool = False) -> str:
@@ -272,13 +273,27 @@ def decode_load_rounds(model, node: dict) -> int:
     return -(-split_bytes(weight_type, node["n_in"])[0] // DECODE_ROUND_BYTES)
 
 
+def decode_attention_in_flight(k_type, v_type, head_dim_k: int) -> tuple:
+    """(chunks of its K row a decode attention lane has in flight, positions whose V words it has in flight).
+    Each round of loads waits the memory's latency, and a warp's tile is a chain of rounds (at short contexts
+    one tile a warp is the launch), so float K/V, whose loads need no scale registers, keep twice what the
+    quantized types keep: 8 and 16 (f16 at head dim 128: 2 rounds of K, 2 of V), against 4 and 8, where more
+    spills (ptxas for sm_90: q8_0 takes 251 registers at 4 and 8; f16 255 at 8 and 16, none spilled). K rows
+    of fewer than 8 chunks keep 4."""
+    k_chunks = split_bytes(k_type, head_dim_k)[0] // DECODE_ATTENTION_K_CHUNK_BYTES
+    k_float, v_float = k_type in FLOAT_KV, v_type in FLOAT_KV
+    return 8 if k_float and k_chunks >= 8 else 4, 16 if v_float else 8
+
+
 def decode_kv_rounds(model, kv_name: str) -> int:
     """The rounds of K/V loads one warp of decode attention waits for, one after another, in a tile of one row:
-    its lanes' K rows in 16-byte chunks, K_AHEAD in flight (f16, head dim 128: 4 rounds), then the tile's V rows,
-    V_AHEAD positions in flight (4). A tile read from the host copy waits the link's latency at each."""
-    k_quant_bytes = split_bytes(parse_kv_type(kv_name).k_type, model.hparams.head_dim_k)[0]
-    k_chunks = -(-k_quant_bytes // DECODE_ATTENTION_K_CHUNK_BYTES)
-    return -(-k_chunks // DECODE_ATTENTION_K_AHEAD) + DECODE_ATTENTION_TILE // DECODE_ATTENTION_V_AHEAD
+    its lanes' K rows in 16-byte chunks, then the tile's V rows, as many in flight as `decode_attention_in_flight`
+    says (f16, head dim 128: 2 + 2 rounds; q8_0: 2 + 4). A tile read from the host copy waits the link's latency
+    at each."""
+    kv, dk = parse_kv_type(kv_name), model.hparams.head_dim_k
+    k_ahead, v_ahead = decode_attention_in_flight(kv.k_type, kv.v_type, dk)
+    k_chunks = -(-split_bytes(kv.k_type, dk)[0] // DECODE_ATTENTION_K_CHUNK_BYTES)
+    return -(-k_chunks // k_ahead) + DECODE_ATTENTION_TILE // v_ahead
 
 
 def decode_host_kv_tiles(host_positions):

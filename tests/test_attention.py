@@ -301,8 +301,9 @@ def test_decode_matches_the_reference(rng, kv_name, n_head, n_head_kv):
     assert not partials[:, :, used:, 1:].any()
 
 
-def test_decode_windows_give_the_rows_of_single_steps(rng):
-    setup = Setup(rng, "q8_0", 22, n_head=2, n_head_kv=1)
+@pytest.mark.parametrize("kv_name, dk", [("q8_0", 32), ("f16", 64)])   # f16 at 64: 8 K chunks in flight
+def test_decode_windows_give_the_rows_of_single_steps(rng, kv_name, dk):
+    setup = Setup(rng, kv_name, 22, n_head=2, n_head_kv=1, dk=dk)
     singles = [setup.decode(np.array([p])) for p in range(17, 22)]
     for window in range(2, 6):
         partials, out = setup.decode(np.arange(17, 17 + window))

@@ -83,8 +83,8 @@ def test_a_decode_window_reads_the_positions_its_ring_lost_from_the_host_copy_ze
     through mapped memory, as prefill's attention does: their bytes at the zero-copy bandwidth, not the pinned
     copy's (run 31's 8 GB row at 4096 tokens, priced at the copy's, ran 11% under its prediction); and each of
     its 48 attention launches waits the link's latency beyond device memory's at each of its busiest warp's
-    rounds of loads, for each of its rows: Qwen3-30B's f16 K row of a head is 16 chunks, 4 rounds, then a tile's
-    32 V rows 4 more. A warp takes one tile of 32 positions in 256 (64 splits of 4 warps): 3072 host positions
+    rounds of loads, for each of its rows: Qwen3-30B's f16 K row of a head is 16 chunks, 2 rounds of 8, then a
+    tile's 32 V rows 2 more, 16 in flight. A warp takes one tile of 32 positions in 256 (64 splits of 4 warps): 3072 host positions
     are one tile a warp, 8224 two (the demo's 50% / 768 row took 33 us a step beyond its host bytes, run 37)."""
     gpu = load_profile("h200-141g").gpus[0]
     gpu = dataclasses.replace(gpu, zero_copy_read_bytes_per_s=gpu.host_to_device_bytes_per_s / 3,
@@ -99,24 +99,23 @@ def test_a_decode_window_reads_the_positions_its_ring_lost_from_the_host_copy_ze
     cost = device.cost("decode", tokens)
     attention_gap = cost.attention_s(depth, depth) - cost.attention_s(depth, ring_tokens)
     host_read_s = host_tokens * cost.kv_bytes_per_token / gpu.zero_copy_read_bytes_per_s
-    latency_s = tokens * 48 * 8 * tiles_a_warp * (gpu.zero_copy_latency_s - gpu.read_latency_s)
+    latency_s = tokens * 48 * 4 * tiles_a_warp * (gpu.zero_copy_latency_s - gpu.read_latency_s)
     assert float(from_host - resident) == pytest.approx(host_read_s + latency_s - float(attention_gap), rel=1e-6)
 
 
 def test_decode_attentions_rounds_follow_its_kernel():
     """The cost model's copy of the decode attention kernel's shape is the kernel's: a tile a lane's position,
-    16-byte K chunks, the chunks and V rows in flight, and 4 warps a block for the bundled models' heads."""
+    16-byte K chunks, and 4 warps a block for the bundled models' heads; the rounds a tile waits for, with what
+    it keeps in flight (f16: 8 K chunks and 16 V rows; quantized: 4 and 8)."""
     from codegen.lower import attention_decode
     assert codegen_cost.DECODE_ATTENTION_TILE == attention_decode.LANES
     assert codegen_cost.DECODE_ATTENTION_K_CHUNK_BYTES == attention_decode.CHUNK_WORDS * 4
-    assert codegen_cost.DECODE_ATTENTION_K_AHEAD == attention_decode.K_AHEAD
-    assert codegen_cost.DECODE_ATTENTION_V_AHEAD == attention_decode.V_AHEAD
     for name in ("qwen3-30b-a3b-q8_0", "glm-4.5-air-q4_k_m"):
         hp = load_model(name).hparams
         assert attention_decode.block_warps(hp.n_head // hp.n_head_kv, hp.head_dim_k, hp.head_dim_v,
                                             codegen_cost.DECODE_ATTENTION_WARPS) == codegen_cost.DECODE_ATTENTION_WARPS
     qwen = load_model("qwen3-30b-a3b-q8_0")
-    assert [codegen_cost.decode_kv_rounds(qwen, kv) for kv in ("f16", "q8_0", "q4_0", "k8v4")] == [8, 6, 5, 6]
+    assert [codegen_cost.decode_kv_rounds(qwen, kv) for kv in ("f16", "q8_0", "q4_0", "k8v4")] == [4, 6, 5, 6]
 
 
 def test_decode_expert_launches_wait_their_load_rounds(qwen):

@@ -15,6 +15,10 @@ turn: warp w the split's tiles w, w + DECODE_WARPS, ... . Rows are taken one aft
            runs) over the tile's 32 positions in order, with the probabilities from shared memory, into its
            running sums, rescaled by exp(m_old - m_new).
 
+What a lane keeps in flight (its K row's chunks, the V rows ahead) is `codegen.cost.decode_attention_in_flight`:
+a tile is a chain of load rounds, each waiting the memory's latency, and at short contexts a warp's one tile is
+the whole launch, so float K/V keep 8 chunks and 16 rows (2 + 2 rounds at head dim 128), quantized 4 and 8.
+
 At the row's end each warp adds its lanes' sums of exp (`warp_sum`, a fixed butterfly), and the warps' sums
 are merged in warp order into
 partials f32 (rows, n_head, ATTENTION_SPLITS, dv + 2) = (max, sum of exp, weighted V sum); a split that
@@ -36,6 +40,7 @@ import math
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
+from codegen.cost import decode_attention_in_flight
 from codegen.graph import ATTENTION_SPLITS
 from codegen.lower import MAX_WINDOW
 from codegen.lower.cuda import (SHARED_BYTES, SIMULATOR, U, WARP_MAX_VALUES, begin_after_prior_grids, cuda,
@@ -49,8 +54,6 @@ from planner.errors import StratumError
 DECODE_WARPS = 1 if SIMULATOR else 4
 LANES = 32                  # = positions a tile
 CHUNK_WORDS = 4             # a lane's load of a K row: 16 bytes (`load4`)
-K_AHEAD = 4                 # chunks of its K row a lane has in flight (the kernel names four)
-V_AHEAD = 8                 # positions whose V words a lane has in flight (the kernel names eight)
 MAX_V_WORDS = 4             # words of a V row a lane sums at most (f16: head dim 256)
 
 NEG_INF = np.float32(-np.inf)
@@ -106,6 +109,7 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
     threads = NW * LANES
     scale = np.float32(1.0 / math.sqrt(dk))
     k_chunks = k_words // CHUNK_WORDS
+    k_ahead, v_ahead = decode_attention_in_flight(k_type, v_type, dk)     # (the kernel names up to 8 and 16)
     v_full = v_words % LANES == 0
     k_quantized, v_quantized = k_type in QUANTIZED, v_type in QUANTIZED
     k_words_per_block, v_words_per_block = QUANT_BLOCK // k_vpw, QUANT_BLOCK // v_vpw
@@ -114,7 +118,7 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
     acc_size = G * v_per_lane * v_vpw
     Q_FLOATS, STATE_FLOATS = G * dk, NW * G                    # shared array sizes (numba takes constants)
     SCRATCH_FLOATS = _scratch_floats(group, dv, warps)
-    k_whole = k_chunks % K_AHEAD == 0
+    k_whole = k_chunks % k_ahead == 0
     one = np.float32(1)
 
     locate = page_locator(PT)
@@ -218,6 +222,7 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
         v_vals = cuda.local.array((MAX_V_WORDS, v_vpw), np.float32)
         nothing = np.int32(0)       # the V rows in flight and their tile's page, before a warp's first active tile
         v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = ((nothing, nothing, nothing, nothing), (one, one, one, one))
+        v8 = v9 = v10 = v11 = v12 = v13 = v14 = v15 = v0
         tile_where, tile_host, tile_offset = 0, False, 0
 
         for row in range(q.shape[0]):
@@ -249,7 +254,7 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                 for h in range(G):
                     scores[h] = NEG_INF
                 if active:
-                    # scores: the lane's K row, K_AHEAD chunks in flight
+                    # scores: the lane's K row, k_ahead chunks in flight
                     where, host, offset = locate(page_table, t0 + min(max(lane, k_lo), k_hi))
                     k_row = (kv_head * PT + offset) * k_words
                     k_scale_row = (kv_head * PT + offset) * k_blocks
@@ -259,15 +264,31 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                     c1 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, 1)
                     c2 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, 2)
                     c3 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, 3)
-                    for c in range(0, k_chunks, K_AHEAD):
+                    c4 = c5 = c6 = c7 = c3
+                    if k_ahead == 8:
+                        c4 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, 4)
+                        c5 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, 5)
+                        c6 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, 6)
+                        c7 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, 7)
+                    for c in range(0, k_chunks, k_ahead):
+                        n = c + k_ahead     # the chunk each one's next load takes: its own, k_ahead on
                         apply_k(c0, c, q_t, k_vals, dots)
-                        c0 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, c + 4)
+                        c0 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, n)
                         apply_k(c1, c + 1, q_t, k_vals, dots)
-                        c1 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, c + 5)
+                        c1 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, n + 1)
                         apply_k(c2, c + 2, q_t, k_vals, dots)
-                        c2 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, c + 6)
+                        c2 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, n + 2)
                         apply_k(c3, c + 3, q_t, k_vals, dots)
-                        c3 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, c + 7)
+                        c3 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, n + 3)
+                        if k_ahead == 8:
+                            apply_k(c4, c + 4, q_t, k_vals, dots)
+                            c4 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, n + 4)
+                            apply_k(c5, c + 5, q_t, k_vals, dots)
+                            c5 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, n + 5)
+                            apply_k(c6, c + 6, q_t, k_vals, dots)
+                            c6 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, n + 6)
+                            apply_k(c7, c + 7, q_t, k_vals, dots)
+                            c7 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, n + 7)
                     if lane >= k_lo and lane <= k_hi:
                         for h in range(G):
                             scores[h] = dots[h] * scale
@@ -291,6 +312,23 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                                  tile_offset, t0, k_lo, k_hi, kv_head, 6, lane)
                     v7 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
                                  tile_offset, t0, k_lo, k_hi, kv_head, 7, lane)
+                    if v_ahead == 16:
+                        v8 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                      tile_offset, t0, k_lo, k_hi, kv_head, 8, lane)
+                        v9 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                      tile_offset, t0, k_lo, k_hi, kv_head, 9, lane)
+                        v10 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                      tile_offset, t0, k_lo, k_hi, kv_head, 10, lane)
+                        v11 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                      tile_offset, t0, k_lo, k_hi, kv_head, 11, lane)
+                        v12 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                      tile_offset, t0, k_lo, k_hi, kv_head, 12, lane)
+                        v13 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                      tile_offset, t0, k_lo, k_hi, kv_head, 13, lane)
+                        v14 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                      tile_offset, t0, k_lo, k_hi, kv_head, 14, lane)
+                        v15 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
+                                      tile_offset, t0, k_lo, k_hi, kv_head, 15, lane)
                 for h in range(G):
                     tile_max[h] = scores[h]
                 warp_max(tile_max, G)
@@ -306,34 +344,60 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                             acc[h * v_per_lane * v_vpw + e] *= alpha
                 syncwarp()
                 if active:
-                    # P V: the tile's positions in order, V_AHEAD positions' words in flight (the first
+                    # P V: the tile's positions in order, v_ahead positions' words in flight (the first
                     # ones since before the softmax)
                     at = probs
-                    for k in range(0, LANES, V_AHEAD):
-                        apply_v(v0, scratch, at + k * G, v_vals, acc)
+                    for k in range(0, LANES, v_ahead):
+                        n = k + v_ahead     # the position each one's next load takes: its own, v_ahead on
+                        apply_v(v0, scratch, at + (k) * G, v_vals, acc)
                         v0 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 8, lane)
+                                     tile_offset, t0, k_lo, k_hi, kv_head, n, lane)
                         apply_v(v1, scratch, at + (k + 1) * G, v_vals, acc)
                         v1 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 9, lane)
+                                     tile_offset, t0, k_lo, k_hi, kv_head, n + 1, lane)
                         apply_v(v2, scratch, at + (k + 2) * G, v_vals, acc)
                         v2 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 10, lane)
+                                     tile_offset, t0, k_lo, k_hi, kv_head, n + 2, lane)
                         apply_v(v3, scratch, at + (k + 3) * G, v_vals, acc)
                         v3 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 11, lane)
+                                     tile_offset, t0, k_lo, k_hi, kv_head, n + 3, lane)
                         apply_v(v4, scratch, at + (k + 4) * G, v_vals, acc)
                         v4 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 12, lane)
+                                     tile_offset, t0, k_lo, k_hi, kv_head, n + 4, lane)
                         apply_v(v5, scratch, at + (k + 5) * G, v_vals, acc)
                         v5 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 13, lane)
+                                     tile_offset, t0, k_lo, k_hi, kv_head, n + 5, lane)
                         apply_v(v6, scratch, at + (k + 6) * G, v_vals, acc)
                         v6 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 14, lane)
+                                     tile_offset, t0, k_lo, k_hi, kv_head, n + 6, lane)
                         apply_v(v7, scratch, at + (k + 7) * G, v_vals, acc)
                         v7 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where, tile_host,
-                                     tile_offset, t0, k_lo, k_hi, kv_head, k + 15, lane)
+                                     tile_offset, t0, k_lo, k_hi, kv_head, n + 7, lane)
+                        if v_ahead == 16:
+                            apply_v(v8, scratch, at + (k + 8) * G, v_vals, acc)
+                            v8 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where,
+                                           tile_host, tile_offset, t0, k_lo, k_hi, kv_head, n + 8, lane)
+                            apply_v(v9, scratch, at + (k + 9) * G, v_vals, acc)
+                            v9 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where,
+                                           tile_host, tile_offset, t0, k_lo, k_hi, kv_head, n + 9, lane)
+                            apply_v(v10, scratch, at + (k + 10) * G, v_vals, acc)
+                            v10 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where,
+                                           tile_host, tile_offset, t0, k_lo, k_hi, kv_head, n + 10, lane)
+                            apply_v(v11, scratch, at + (k + 11) * G, v_vals, acc)
+                            v11 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where,
+                                           tile_host, tile_offset, t0, k_lo, k_hi, kv_head, n + 11, lane)
+                            apply_v(v12, scratch, at + (k + 12) * G, v_vals, acc)
+                            v12 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where,
+                                           tile_host, tile_offset, t0, k_lo, k_hi, kv_head, n + 12, lane)
+                            apply_v(v13, scratch, at + (k + 13) * G, v_vals, acc)
+                            v13 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where,
+                                           tile_host, tile_offset, t0, k_lo, k_hi, kv_head, n + 13, lane)
+                            apply_v(v14, scratch, at + (k + 14) * G, v_vals, acc)
+                            v14 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where,
+                                           tile_host, tile_offset, t0, k_lo, k_hi, kv_head, n + 14, lane)
+                            apply_v(v15, scratch, at + (k + 15) * G, v_vals, acc)
+                            v15 = fetch_v(page_table, v_data, v_scales, hv_data, hv_scales, tile_where,
+                                           tile_host, tile_offset, t0, k_lo, k_hi, kv_head, n + 15, lane)
                 syncwarp()
             # each warp's state (its lanes' sums of exp added in the butterfly's order), then merged in warp order
             warp_sum(lane_sum, G)
