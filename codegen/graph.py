@@ -35,6 +35,7 @@ from planner.kv import KVType, row_bytes
 PASS_KINDS = ("prefill", "decode", "draft")
 VIEW_OPS = ("input", "select_rows")     # tensors no kernel writes: a pass's inputs, views of a tensor's rows
 ATTENTION_SPLITS = 64   # tile sets a decode/draft window's attention is split into
+ARGMAX_BLOCK_VALUES = 4096      # logits a block of the argmax's first launch takes (`argmax_blocks` runs a row)
 EXPERT_TILE_ROWS = 64   # pair rows of a prefill expert tile (an expert's last one computes all its rows: codegen.cost)
 TILE_WEIGHT_ROWS = 128  # weight rows of a prefill matmul tile (SwiGLU: 64 gate and the same 64 up)
 TILED_OPS = ("matmul", "swiglu_matmul", "moe_swiglu_matmul", "moe_down_matmul")
@@ -246,7 +247,10 @@ class _Builder:
         family = {"family": "decode"} if self.kind == "prefill" else {}
         logits = self.matmul("logits", h, "output", rows, hp.n_embd, hp.n_vocab, **family)
         self.graph.nodes[logits]["output"] = True
-        ids = self.op("argmax", "argmax", [logits], (rows,), dtype="i32", flops=rows * hp.n_vocab)
+        # the greedy tokens in two launches: each run of ARGMAX_BLOCK_VALUES logits a block, then the runs merged
+        runs = self.op("argmax_runs", "argmax_partials", [logits], (rows, argmax_blocks(hp.n_vocab), 2),
+                       flops=rows * hp.n_vocab)
+        ids = self.op("argmax", "argmax", [runs], (rows,), dtype="i32", flops=rows * argmax_blocks(hp.n_vocab))
         self.graph.nodes[ids]["output"] = True
         return ids
 
@@ -312,6 +316,11 @@ def build_pass(model, kind: str, tokens: int, kv: KVType, layers=None, with_draf
         hidden = b.graph.nodes["head_norm"]
         hidden["output"] = True      # the drafter's next input
     return b.graph
+
+
+def argmax_blocks(n_vocab: int) -> int:
+    """The runs of ARGMAX_BLOCK_VALUES logits a row's argmax is split into (Qwen3's 151936: 38)."""
+    return -(-n_vocab // ARGMAX_BLOCK_VALUES)
 
 
 def moe_groups_length(n_expert: int, n_pairs: int) -> int:

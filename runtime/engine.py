@@ -124,19 +124,19 @@ class Engine:
         self.drafter_kv_pass = self._check_drafter_kv_pass(drafter_kv_pass)
         self._load_weights(tensors)
         self.programs, self.graphs = {}, {}
-        # a decode window's routed ids, which its routing launches write in place (mapped host memory: no copy
-        # node in the captured step, BENCHMARKS.md run 53)
+        # a decode window's routed ids and a decode window's or draft step's greedy tokens, which their launches
+        # write in place (mapped host memory: no copy node in the captured step, BENCHMARKS.md run 53)
         self.decode_ids = mapped_filled((len(self.moe_blocks), MAX_WINDOW, self.hp.n_expert_used), np.int32)
-        self.decode_ids_view = mapped_device_view(self.decode_ids)
+        self.greedy = mapped_filled(MAX_WINDOW, np.int32)
+        self.decode_ids_view, self.greedy_view = mapped_device_view(self.decode_ids), mapped_device_view(self.greedy)
         self.staging = cuda.pinned_array((3, self.chunk_tokens), np.int32)
-        # pinned destinations of the routed ids prefill reads back per block, of a window's greedy tokens and
-        # of the hidden states the drafter reads (a verify window's rows; the one the next draft step takes)
+        # pinned destinations of the routed ids prefill reads back per block and of the hidden states the
+        # drafter reads (a verify window's rows; the one the next draft step takes)
         self.routed_ids = cuda.pinned_array((len(self.moe_blocks), self.chunk_tokens, self.hp.n_expert_used),
                                             np.int32)
         # a MoE block's routed ids copied: the host counts them while the GPU goes on with the chunk's later blocks
         self.routed_copied = [cuda.event() for _ in self.moe_blocks]
         self.last_logits = cuda.pinned_array((1, self.hp.n_vocab), np.float32)     # a prompt's last position's
-        self.greedy = cuda.pinned_array(MAX_WINDOW, np.int32)
         self.hiddens = cuda.pinned_array((MAX_WINDOW, self.hp.n_embd), np.float32)
         self.hidden = cuda.pinned_array((1, self.hp.n_embd), np.float32)
         self.hidden[:] = 0
@@ -276,7 +276,8 @@ class Engine:
                           if kind == "decode" else {})
             self.programs[key] = lower(graph, self.hp, self.weights, kv_pages, page_tables, arena, offsets,
                                        expert_slots=tables, host_experts=host, host_kv=ring.host,
-                                       attention_windows=windows, routed_ids=routed_ids)
+                                       attention_windows=windows, routed_ids=routed_ids,
+                                       greedy=None if kind == "prefill" else self.greedy_view)
         return self.programs[key]
 
     def _inputs(self, program, token_ids, start: int, next_ids=None) -> None:
@@ -411,23 +412,21 @@ class Engine:
 
     def _enqueue_decode(self, stream, rows: int) -> None:
         """A decode window as captured: its staged inputs in, its kernels (each MoE block's routing writes its ids
-        into `decode_ids` for the cache policy), its greedy tokens (and, with the drafter, hidden states) out to
-        pinned memory."""
+        into `decode_ids` for the cache policy, its argmax its greedy tokens into `greedy`), with the drafter its
+        hidden states out to pinned memory."""
         program = self._program("decode", rows)
         self._copy_inputs(program, rows, stream)
         program.run(stream)
-        copy_rows(self.greedy, 0, program.tensors["argmax"], 0, rows, stream)
         if self.drafter is not None:
             copy_rows(self.hiddens, 0, program.tensors["head_norm"], 0, rows, stream)
 
     def _enqueue_draft(self, stream) -> None:
-        """A draft step as captured: its staged inputs and hidden state in, the NextN block, its greedy token and
-        hidden state out."""
+        """A draft step as captured: its staged inputs and hidden state in, the NextN block (its argmax writes its
+        greedy token into `greedy`), its hidden state out."""
         program = self._program("draft", 1)
         self._copy_inputs(program, 1, stream)
         copy_rows(program.tensors["hidden_in"], 0, self.hidden, 0, 1, stream)
         program.run(stream)
-        copy_rows(self.greedy, 0, program.tensors["argmax"], 0, 1, stream)
         copy_rows(self.hidden, 0, program.tensors["head_norm"], 0, 1, stream)
 
     def _verify(self, tokens: list, position: int):

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as T
 
+from codegen.graph import ARGMAX_BLOCK_VALUES, argmax_blocks
 from codegen.lower import kv_pages, pointwise, weights
-from codegen.lower.cuda import cuda
+from codegen.lower.cuda import cuda, mapped_device_view, mapped_filled
 from planner.errors import StratumError
 from runtime import reference
 from tests.test_matmul import random_k_quant
@@ -342,11 +343,39 @@ def tied_argmax_rows(rng, rows, n):
     return logits
 
 
-@pytest.mark.parametrize("n", [1000, 151])     # several passes with a partial last; one partial pass
+def greedy(logits):
+    """The two argmax launches over `logits`: the ids, and their copy in mapped host memory (the rows past the
+    launch's untouched)."""
+    rows, n = logits.shape
+    partials = cuda.device_array((rows, argmax_blocks(n), 2), np.float32)
+    ids, host_ids = cuda.device_array(rows, np.int32), mapped_filled(rows + 2, np.int32, -5)
+    d_logits = cuda.to_device(logits)
+    pointwise.make_argmax_partials(n)(0, d_logits, partials)
+    pointwise.make_argmax(n)(0, partials, ids, mapped_device_view(host_ids))
+    cuda.synchronize()
+    assert (host_ids[rows:] == -5).all()
+    np.testing.assert_array_equal(host_ids[:rows], ids.copy_to_host())
+    return ids.copy_to_host()
+
+
+# one run, partial; three runs, the last partial; runs of whole blocks; ties across runs (tied_argmax_rows)
+@pytest.mark.parametrize("n", [151, 2 * ARGMAX_BLOCK_VALUES + 808, ARGMAX_BLOCK_VALUES])
 def test_argmax_first_index_of_the_maximum(rng, n):
     logits = tied_argmax_rows(rng, 5, n)
-    got = run(pointwise.make_argmax(n), logits, np.empty(5, np.int32))
-    np.testing.assert_array_equal(got, np.argmax(logits, axis=1))
+    np.testing.assert_array_equal(greedy(logits), np.argmax(logits, axis=1))
+
+
+def test_argmax_of_a_row_of_minus_infinity_is_its_first_index_and_nan_never_wins(rng):
+    n = ARGMAX_BLOCK_VALUES + 100
+    logits = np.full((2, n), -np.inf, np.float32)
+    logits[1] = randn(rng, n)
+    logits[1, 3] = np.nan
+    np.testing.assert_array_equal(greedy(logits), [0, np.nanargmax(logits[1])])
+
+
+def test_argmax_refuses_rows_its_partials_cannot_index():
+    with pytest.raises(ValueError, match="2\\*\\*24"):
+        pointwise.make_argmax_partials(1 << 24)
 
 
 # --- real shapes, on a GPU ---------------------------------------------------------------------------------
@@ -399,5 +428,4 @@ def test_gpu_router(rng, gating):
 def test_gpu_argmax_vocab(rng):
     n = 151936
     logits = tied_argmax_rows(rng, 8, n)
-    got = run(pointwise.make_argmax(n), logits, np.empty(8, np.int32))
-    np.testing.assert_array_equal(got, np.argmax(logits, axis=1))
+    np.testing.assert_array_equal(greedy(logits), np.argmax(logits, axis=1))

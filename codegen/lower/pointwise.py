@@ -16,6 +16,7 @@ import math
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
+from codegen.graph import ARGMAX_BLOCK_VALUES, argmax_blocks
 from codegen.lower import kv_pages
 from codegen.lower.cuda import begin_after_prior_grids, better, cuda, launch_kernel, overlapping, warp_sum
 from codegen.lower.word_formats import FORMATS
@@ -26,9 +27,9 @@ EMBED_THREADS = 256      # at most, per embedded row
 NORM_THREADS = 256       # at most, per row of an RMSNorm or head of a RoPE
 MAX_ROUTER_EXPERTS = 1024   # a thread an expert in prefill's router block
 MIN_ROUTER_SLICE = 16       # experts a router thread compares against at least (fewer: more threads, no faster)
-ARGMAX_THREADS = 1024    # at most, per argmax row
-ARGMAX_UNROLL = 16       # independent loads in flight per thread and step
-ARGMAX_MIN_LOADS = 4     # fewer threads (down to a warp) for short rows: at least this many steps' worth each
+ARGMAX_THREADS = 256     # a block of the argmax's runs (`make_argmax_partials`)
+ARGMAX_UNROLL = ARGMAX_BLOCK_VALUES // ARGMAX_THREADS     # independent loads in flight per thread
+ARGMAX_FINAL_THREADS = 1024     # at most, for the merge of a row's runs: so rows of up to 4M values
 
 GATINGS = ("softmax", "sigmoid")
 NEG_INF = np.float32(-np.inf)
@@ -493,35 +494,65 @@ def _argmax_step(logits, row, first, threads, n, checked, loaded, best, best_ind
 
 
 @functools.cache
-def make_argmax(n: int):
-    """launch(stream, logits, ids): ids (rows,) int32, the first index of each row's maximum. One block per
-    row; each thread keeps ARGMAX_UNROLL coalesced loads in flight per step (bounds checked only in a last,
-    partial step), then a fixed tree picks the best (value, lowest index)."""
-    threads = _threads(-(-n // (ARGMAX_UNROLL * ARGMAX_MIN_LOADS)), ARGMAX_THREADS)
-    span = threads * ARGMAX_UNROLL
-    whole_steps = n // span
-    partial = whole_steps * span < n
+def make_argmax_partials(n: int):
+    """launch(stream, logits, partials): partials f32 (rows, argmax_blocks(n), 2), each block's (maximum, its
+    first index) of ARGMAX_BLOCK_VALUES consecutive logits of a row: a block per (row, run), each thread
+    ARGMAX_UNROLL coalesced loads in flight, then a fixed tree picks the best (value, lowest index). Its runs
+    spread a row over the GPU: one block a row read Qwen3's 151936 logits in 9.8 us (BENCHMARKS.md run 31), an
+    SM's share of the bandwidth. A run of -inf still gets a real index, its first."""
+    if n >= 1 << 24:
+        raise ValueError(f"argmax over {n} values: the partials hold indices as float32, exact below 2**24")
+    blocks = argmax_blocks(n)
+    checked = n % ARGMAX_BLOCK_VALUES != 0       # the last run is partial: its loads are bounds checked
 
     @overlapping
     @cuda.jit
-    def kernel(logits, ids):
+    def kernel(logits, partials):
+        begin_after_prior_grids()
+        row, run = cuda.blockIdx.x // blocks, cuda.blockIdx.x % blocks
+        tid = cuda.threadIdx.x
+        values = cuda.shared.array(ARGMAX_THREADS, np.float32)
+        indices = cuda.shared.array(ARGMAX_THREADS, np.int32)
+        loaded = cuda.local.array(ARGMAX_UNROLL, np.float32)
+        first = run * ARGMAX_BLOCK_VALUES + tid
+        best, best_index = _argmax_step(logits, row, first, ARGMAX_THREADS, n, checked and run == blocks - 1,
+                                        loaded, NEG_INF, np.int32(first))
+        values[tid], indices[tid] = best, best_index
+        _best_tree(values, indices, tid, ARGMAX_THREADS)
+        if tid == 0:
+            partials[row, run, 0] = values[0]
+            partials[row, run, 1] = np.float32(indices[0])
+
+    return _per_row(kernel, ARGMAX_THREADS, blocks)
+
+
+@functools.cache
+def make_argmax(n: int):
+    """launch(stream, partials, ids, host_ids=None): ids (rows,) int32, the first index of each row's maximum,
+    from `make_argmax_partials`' runs by the same fixed tree (ties go to the lower index, so to the earlier
+    run), a block a row; the ids also go to `host_ids` (mapped host memory, where the runtime reads a window's
+    greedy tokens: no copy node after the step)."""
+    blocks = argmax_blocks(n)
+    threads = _threads(blocks, ARGMAX_FINAL_THREADS)
+    if blocks > threads:
+        raise ValueError(f"argmax over {n} values: {blocks} runs, more than one block of {threads} merges")
+
+    @overlapping
+    @cuda.jit
+    def kernel(partials, ids, host_ids):
         begin_after_prior_grids()
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         values = cuda.shared.array(threads, np.float32)
         indices = cuda.shared.array(threads, np.int32)
-        loaded = cuda.local.array(ARGMAX_UNROLL, np.float32)
-        # a row of -inf still gets a real index: a thread's first element (threads past n lose the ties)
-        best, best_index = NEG_INF, np.int32(tid)
-        for step in range(whole_steps):
-            best, best_index = _argmax_step(logits, row, step * span + tid, threads, n, False, loaded, best,
-                                            best_index)
-        if partial:
-            best, best_index = _argmax_step(logits, row, whole_steps * span + tid, threads, n, True, loaded,
-                                            best, best_index)
-        values[tid], indices[tid] = best, best_index
+        values[tid], indices[tid] = NEG_INF, np.int32(n)     # past the runs: loses every tie
+        if tid < blocks:
+            values[tid], indices[tid] = partials[row, tid, 0], np.int32(partials[row, tid, 1])
         _best_tree(values, indices, tid, threads)
         if tid == 0:
             ids[row] = indices[0]
+            host_ids[row] = indices[0]
 
-    return _per_row(kernel, threads)
+    def launch(stream, partials, ids, host_ids=None):
+        launch_kernel(kernel, partials.shape[0], threads, stream, partials, ids, ids if host_ids is None else host_ids)
+    return launch

@@ -117,9 +117,10 @@ class _ArenaViews(Mapping):
 
 class _Lowering:
     def __init__(self, graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots,
-                 host_experts, host_kv, attention_windows, routed_ids):
+                 host_experts, host_kv, attention_windows, routed_ids, greedy):
         self.graph, self.hp, self.weights = graph, hparams, weights
         self.host_kv, self.attention_windows, self.routed_ids = host_kv, attention_windows, routed_ids
+        self.greedy = greedy
         self.kv_pages, self.page_tables, self.expert_slots = kv_pages, page_tables, expert_slots
         self.host_experts = host_experts
         self.family = "prefill" if graph.graph["kind"] == "prefill" else "decode"
@@ -188,8 +189,11 @@ class _Lowering:
             launch = make(hp.n_expert, hp.n_expert_used, node["gating"], weighing["normalize"], weighing["scale"])
             host_ids = (self.routed_ids[layer],) if op == "moe_route" and layer in self.routed_ids else ()
             return Step(name, launch, (inputs[0], bias, out, *(self.tensors[m] for m in node["fuses"]), *host_ids))
+        if op == "argmax_partials":
+            return Step(name, pointwise.make_argmax_partials(hp.n_vocab), (inputs[0], out))
         if op == "argmax":
-            return Step(name, pointwise.make_argmax(hp.n_vocab), (inputs[0], out))
+            host_ids = () if self.greedy is None else (self.greedy,)
+            return Step(name, pointwise.make_argmax(hp.n_vocab), (inputs[0], out, *host_ids))
         if op == "moe_groups":
             return Step(name, moe.make_moe_groups(hp.n_expert, hp.n_expert_used), (inputs[0], out))
         if op == "moe_swiglu_matmul":
@@ -232,7 +236,7 @@ class _Lowering:
 
 def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, arena, offsets: dict,
           expert_slots: dict | None = None, host_experts: dict | None = None, host_kv: dict | None = None,
-          attention_windows: dict | None = None, routed_ids: dict | None = None) -> Program:
+          attention_windows: dict | None = None, routed_ids: dict | None = None, greedy=None) -> Program:
     """Bind every node of `graph` to its kernel.
 
     weights: GGUF tensor name -> DeviceWeight; kv_pages: layer -> the layer's K/V pages on the device
@@ -247,7 +251,9 @@ def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, aren
     the page table says -1 (a layer without: every page must have a slot); attention_windows: layer -> the
     positions a row's attention reaches back (the drafter's window; a layer without reads its whole context);
     routed_ids: MoE layer -> a (MAX_WINDOW, k) int32 device view of mapped host memory where a decode window's
-    routing launch writes its ids too, for the host to read after the step (a layer without: only the arena).
+    routing launch writes its ids too, for the host to read after the step (a layer without: only the arena);
+    greedy: a (MAX_WINDOW,) int32 device view of mapped host memory where the argmax writes the pass's greedy
+    tokens too (none: only the arena).
     The steps launch the MoE kernels over every expert (lo=0, hi=None). A node's kernel, weights and tables
     are checked when its step is bound (on first use).
     """
@@ -255,6 +261,6 @@ def lower(graph, hparams, weights: dict, kv_pages: dict, page_tables: dict, aren
         identity = cuda.to_device(np.arange(hparams.n_expert, dtype=np.int32))
         expert_slots = {layer: identity for layer in range(hparams.n_layer)}
     lowering = _Lowering(graph, hparams, weights, kv_pages, page_tables, arena, offsets, expert_slots,
-                         host_experts or {}, host_kv or {}, attention_windows or {}, routed_ids or {})
+                         host_experts or {}, host_kv or {}, attention_windows or {}, routed_ids or {}, greedy)
     names = [name for name in nodes_in_order(graph) if launched(graph.nodes[name])]
     return Program(graph, Steps(lowering, names), lowering.tensors)
