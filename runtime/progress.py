@@ -1,5 +1,6 @@
 """A progress line on stderr for long start-up work (weights loading, kernels compiling): one line redrawn
-in place on a terminal, a line per phase otherwise (logs stay readable)."""
+in place on a terminal; otherwise (logs stay readable) a line as a phase starts and one as it ends, so a log
+cut off mid-phase still says which phase it was in."""
 
 import sys
 import time
@@ -14,6 +15,9 @@ class Progress:
     def start(self, label: str, total: float, unit: str = "") -> None:
         self.label, self.total, self.done, self.unit = label, total, 0, unit
         self.started = time.perf_counter()
+        if self.enabled and not self.stream.isatty():
+            self.stream.write(f"{label} ...\n")
+            self.stream.flush()
         self._draw(force=True)
 
     def advance(self, amount: float = 1) -> None:
