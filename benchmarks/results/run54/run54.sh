@@ -1,13 +1,12 @@
 # Run 54 (to run): run 53's A/B, which a cold machine could not do in one call (BENCHMARKS.md run 53: every e2e
-# step was cut off while compiling). Two calls, each from the repository root on the device after DEVICE.md's
-# prefix, carrying [".whl", ".base", ".var"]:
+# step was cut off while compiling). First, here: `bash benchmarks/base_tree.sh 8b54070` (main before the
+# changes). Then two calls, each from the repository root on the device after DEVICE.md's prefix, carrying
+# [".whl", ".base", ".var"]:
 #   bash benchmarks/results/run54/run54.sh 1   this tree's e2e from a cold cache (~100 s of compiling, 24 s of
 #                                              weights), then its per-node times; returns the cache, $OUT/kc.tgz
 #   (copy that kc.tgz into the gitignored .var/ before the second call)
-#   bash benchmarks/results/run54/run54.sh 2   `.base/` (= `git archive 8b54070` of codegen, planner, runtime,
-#                                              tools, benchmarks/*.py, plans/hardware, plans/models) compiles
-#                                              only the kernels the changes touched; then both sides in turns,
-#                                              and the base's per-node times
+#   bash benchmarks/results/run54/run54.sh 2   `.base/` compiles only the kernels the changes touched; then
+#                                              both sides in turns, and the base's per-node times
 # The tokens' digest must be the same on both sides (the changes keep the bits).
 export NUMBA_ENABLE_CUDASIM=0 STRATUM_KERNEL_CACHE=/tmp/kc
 [ -f .var/kc.tgz ] && tar xzf .var/kc.tgz -C /tmp
