@@ -3,7 +3,7 @@ its budget's profile with the row's knobs pinned (chunk, prefill-ring slots, and
 records them), beside what the run measured. A cost-model change is checked against a run's measurements this
 way before a GPU run validates it (BENCHMARKS.md, validation runs 18 and 19).
 
-    python3 tools/reprice_validation.py benchmarks/results/validate-2026-12-02-demo-run19.json --demo \\
+    python3 -m tools.reprice_validation benchmarks/results/validate-2026-12-02-demo-run19.json --demo \\
         --profile benchmarks/results/h200-detected-2026-12-02-run19.yaml
 
 The profile is the run's detected one (the budgets are made from it as `benchmarks/validate.py` makes them);
