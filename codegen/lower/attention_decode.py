@@ -264,7 +264,7 @@ def decode_attention_kernel(k_type: T, v_type: T, group: int, dk: int, dv: int, 
                     c1 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, 1)
                     c2 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, 2)
                     c3 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, 3)
-                    c4 = c5 = c6 = c7 = c3
+                    c4 = c5 = c6 = c7 = c3      # (typed for numba; loaded only when 8 are in flight)
                     if k_ahead == 8:
                         c4 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, 4)
                         c5 = fetch_k(k_data, k_scales, hk_data, hk_scales, where, host, k_row, k_scale_row, 5)

@@ -498,8 +498,8 @@ def make_argmax_partials(n: int):
     """launch(stream, logits, partials): partials f32 (rows, argmax_blocks(n), 2), each block's (maximum, its
     first index) of ARGMAX_BLOCK_VALUES consecutive logits of a row: a block per (row, run), each thread
     ARGMAX_UNROLL coalesced loads in flight, then a fixed tree picks the best (value, lowest index). Its runs
-    spread a row over the GPU: one block a row read Qwen3's 151936 logits in 9.8 us (BENCHMARKS.md run 31), an
-    SM's share of the bandwidth. A run of -inf still gets a real index, its first."""
+    spread a row over the GPU: one block a row read Qwen3's 151936 logits in 9.8 us (BENCHMARKS.md run 31). A run
+    of -inf still gets a real index, its first."""
     if n >= 1 << 24:
         raise ValueError(f"argmax over {n} values: the partials hold indices as float32, exact below 2**24")
     blocks = argmax_blocks(n)

@@ -187,13 +187,12 @@ class _Lowering:
             weighing = self.graph.nodes[node["fuses"][0]]      # the route weights' node (then the groups')
             make = moe.make_moe_route if op == "moe_route" else pointwise.make_router
             launch = make(hp.n_expert, hp.n_expert_used, node["gating"], weighing["normalize"], weighing["scale"])
-            host_ids = (self.routed_ids[layer],) if op == "moe_route" and layer in self.routed_ids else ()
+            host_ids = (self.routed_ids.get(layer),) if op == "moe_route" else ()   # (None: the arena's only)
             return Step(name, launch, (inputs[0], bias, out, *(self.tensors[m] for m in node["fuses"]), *host_ids))
         if op == "argmax_partials":
             return Step(name, pointwise.make_argmax_partials(hp.n_vocab), (inputs[0], out))
         if op == "argmax":
-            host_ids = () if self.greedy is None else (self.greedy,)
-            return Step(name, pointwise.make_argmax(hp.n_vocab), (inputs[0], out, *host_ids))
+            return Step(name, pointwise.make_argmax(hp.n_vocab), (inputs[0], out, self.greedy))
         if op == "moe_groups":
             return Step(name, moe.make_moe_groups(hp.n_expert, hp.n_expert_used), (inputs[0], out))
         if op == "moe_swiglu_matmul":
