@@ -6,14 +6,12 @@
 # Fresh machines spend most of a call compiling, so the kernel cache travels: a `.var/kc.tgz` that a previous
 # call returned (copy it from that call's files into the gitignored `.var/`, then carry [".whl", ".var"]) is
 # unpacked first, and the cache as it ends up goes back as $OUT/kc.tgz ($OUT returns at most 8 files).
-export NUMBA_ENABLE_CUDASIM=0 STRATUM_KERNEL_CACHE=/tmp/kc
-[ -f .var/kc.tgz ] && tar xzf .var/kc.tgz -C /tmp
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 . benchmarks/device_step.sh
+begin_call
 step chain8.log 75 python3 -m pytest -m gpu -q -p no:cacheprovider \
     "tests/test_matmul.py::test_gpu_decode_chain_of_overlapping_kernels[8]"
 TAIL=30 step e2e.txt 200 python3 benchmarks/e2e.py --layers 6 --plans h200-141g --prompt-tokens 1984 --new-tokens 32
 TAIL=12 step q5k.txt 55 python3 benchmarks/kernels_matmul.py decode --types Q5_K \
     --shapes 768x2048,4096x4096,12288x4096,4096x12288
 TAIL=40 step nodes.txt 70 python3 benchmarks/decode_nodes.py --layers 6 --prompt-tokens 1984
-tar czf $OUT/kc.tgz -C /tmp kc && du -h $OUT/kc.tgz
+end_call

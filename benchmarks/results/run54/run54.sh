@@ -8,20 +8,17 @@
 #   bash benchmarks/results/run54/run54.sh 2   `.base/` compiles only the kernels the changes touched; then
 #                                              both sides in turns, and the base's per-node times
 # The tokens' digest must be the same on both sides (the changes keep the bits).
-export NUMBA_ENABLE_CUDASIM=0 STRATUM_KERNEL_CACHE=/tmp/kc
-[ -f .var/kc.tgz ] && tar xzf .var/kc.tgz -C /tmp
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 . benchmarks/device_step.sh
+begin_call
 E2E="python3 benchmarks/e2e.py --layers 6 --plans h200-141g --prompt-tokens 1984 --new-tokens 32"
 NODES="python3 benchmarks/decode_nodes.py --layers 6 --prompt-tokens 1984"
-base() { echo "cd .base && PYTHONPATH=/tmp/site:$PWD/.base $1"; }
 if [ "$1" = 1 ]; then
     TAIL=6 step e2e-new-1.txt 330 $E2E
     TAIL=30 step nodes-new.txt 150 $NODES
 else
-    TAIL=6 step e2e-base-1.txt 220 bash -c "$(base "$E2E")"
+    TAIL=6 step e2e-base-1.txt 220 bash -c "$(in_base "$E2E")"
     TAIL=6 step e2e-new-2.txt 70 $E2E
-    TAIL=6 step e2e-base-2.txt 70 bash -c "$(base "$E2E")"
-    TAIL=30 step nodes-base.txt 150 bash -c "$(base "$NODES")"
+    TAIL=6 step e2e-base-2.txt 70 bash -c "$(in_base "$E2E")"
+    TAIL=30 step nodes-base.txt 150 bash -c "$(in_base "$NODES")"
 fi
-tar czf $OUT/kc.tgz -C /tmp kc && du -h $OUT/kc.tgz
+end_call
