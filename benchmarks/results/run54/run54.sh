@@ -1,24 +1,27 @@
 # Run 54 (to run): run 53's A/B, which a cold machine could not do in one call (BENCHMARKS.md run 53: every e2e
 # step was cut off while compiling). First, here: `bash benchmarks/base_tree.sh 8b54070` (main before the
-# changes). Then two calls, each from the repository root on the device after DEVICE.md's prefix, carrying
-# [".whl", ".base", ".var"]:
+# changes). Then from the repository root on the device after DEVICE.md's prefix, carrying [".whl", ".base",
+# ".var"]:
 #   bash benchmarks/results/run54/run54.sh 1   this tree's e2e from a cold cache (~100 s of compiling, 24 s of
-#                                              weights), then its per-node times; returns the cache, $OUT/kc.tgz
-#   (copy that kc.tgz into the gitignored .var/ before the second call)
-#   bash benchmarks/results/run54/run54.sh 2   `.base/` compiles only the kernels the changes touched; then
-#                                              both sides in turns, and the base's per-node times
+#                                              weights), then `.base/`'s, which compiles only the kernels the
+#                                              changes touched (a kernel's cache key is its code, not its
+#                                              file); e2e times its requests after the engine's start, so a
+#                                              cold run's figures count; returns the cache, $OUT/kc.tgz
+#   (copy that kc.tgz into the gitignored .var/ before a second call)
+#   bash benchmarks/results/run54/run54.sh 2   both sides again on the warm cache, then each side's per-node
+#                                              times
 # The tokens' digest must be the same on both sides (the changes keep the bits).
 . benchmarks/device_step.sh
 begin_call
 E2E="python3 benchmarks/e2e.py --layers 6 --plans h200-141g --prompt-tokens 1984 --new-tokens 32"
 NODES="python3 benchmarks/decode_nodes.py --layers 6 --prompt-tokens 1984"
 if [ "$1" = 1 ]; then
-    TAIL=6 step e2e-new-1.txt 330 $E2E
-    TAIL=30 step nodes-new.txt 150 $NODES
-else
+    TAIL=6 step e2e-new-1.txt 320 $E2E
     TAIL=6 step e2e-base-1.txt 220 bash -c "$(in_base "$E2E")"
+else
     TAIL=6 step e2e-new-2.txt 70 $E2E
     TAIL=6 step e2e-base-2.txt 70 bash -c "$(in_base "$E2E")"
+    TAIL=30 step nodes-new.txt 150 $NODES
     TAIL=30 step nodes-base.txt 150 bash -c "$(in_base "$NODES")"
 fi
 end_call
