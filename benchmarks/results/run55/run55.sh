@@ -1,0 +1,19 @@
+# Run 55 (to run): the decode matmul's deferred scale conversion (branch decode-deferred-scales) against main.
+# The branch converts a prefetched chunk's scales after the current chunks' arithmetic (main converts them at
+# the load, so a lane waits out the prefetch there) and folds window row 0's test; ptxas: 4-11% fewer loop
+# instructions, three shapes at lower occupancy (BENCHMARKS.md). Here, first: check out the branch, then
+# `bash benchmarks/base_tree.sh main`, and copy the kernel cache a previous call returned into .var/kc.tgz.
+# Then one call from the repository root on the device after DEVICE.md's prefix, carrying [".whl", ".base",
+# ".var"]: bash benchmarks/results/run55/run55.sh
+# Each side: the dense decode table and the MoE decode step (`kernels_matmul.py decode moe`), then the resident
+# e2e, whose tokens' digest must be the same on both sides (the change keeps the bits).
+. benchmarks/device_step.sh
+begin_call
+TABLES="python3 benchmarks/kernels_matmul.py decode moe --types Q4_0,Q8_0,Q4_K,Q5_K
+    --shapes 768x2048,4096x4096,12288x4096,4096x12288"
+E2E="python3 benchmarks/e2e.py --layers 6 --plans h200-141g --prompt-tokens 1984 --new-tokens 32"
+TAIL=30 step tables-new.txt 150 $TABLES
+TAIL=30 step tables-base.txt 150 bash -c "$(in_base "$TABLES")"
+TAIL=6 step e2e-new.txt 120 $E2E
+TAIL=6 step e2e-base.txt 70 bash -c "$(in_base "$E2E")"
+end_call
