@@ -9,8 +9,8 @@
 # e2e, whose tokens' digest must be the same on both sides (the change keeps the bits).
 . benchmarks/device_step.sh
 begin_call
-TABLES="python3 benchmarks/kernels_matmul.py decode moe --types Q4_0,Q8_0,Q4_K,Q5_K
-    --shapes 768x2048,4096x4096,12288x4096,4096x12288"
+SHAPES=768x2048,4096x4096,12288x4096,4096x12288
+TABLES="python3 benchmarks/kernels_matmul.py decode moe --types Q4_0,Q8_0,Q4_K,Q5_K --shapes $SHAPES"
 E2E="python3 benchmarks/e2e.py --layers 6 --plans h200-141g --prompt-tokens 1984 --new-tokens 32"
 TAIL=30 step tables-new.txt 150 $TABLES
 TAIL=30 step tables-base.txt 150 bash -c "$(in_base "$TABLES")"
