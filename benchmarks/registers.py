@@ -4,13 +4,16 @@ registers leave one block per SM). A change to a decode kernel's source shows it
 before any device time is spent.
 
     CUDA_HOME=/usr/local/cuda-13.0 python3 benchmarks/registers.py [--types Q4_K,Q8_0] [--windows 1,4]
+        [--shapes 12288x4096] [--listing]
 
 Needs libnvvm (under CUDA_HOME) and ptxas; not libnvrtc or a driver. Where `nvdisasm` is found too (PATH,
 CUDA_HOME/bin or $NVDISASM; pip's nvidia-cuda-nvdisasm wheel has one), it also counts the SASS instructions of
 the kernel's main loop (its widest backward branch), divides them by the 16-byte weight loads a lane issues an
 iteration, and gives the weight bytes an SM would read a clock if it issued nothing but that loop at its 4 warp
 instructions a clock: a ceiling to set beside the read bandwidth an SM a clock (an H100's 3.04 TB/s over 132 SMs
-is 11.6 bytes a clock at 1.98 GHz, 13.1 at 1.755).
+is 11.6 bytes a clock at 1.98 GHz, 13.1 at 1.755). `--listing` prints each main loop's global loads, f16 scale
+conversions and branches at their places in the loop: where a prefetch goes out, and where a lane first waits
+for it.
 """
 
 import argparse
@@ -56,8 +59,8 @@ def decode_ptx(ggml_type, n_in: int, n_out: int, window: int):
 
 
 def registers(ptxas: str, ptx: str, nvdisasm: str | None = None) -> tuple:
-    """(registers, spill store bytes, SASS instructions of the main loop or None) for the PTX: ptxas's report,
-    and nvdisasm's listing of the cubin where nvdisasm is given."""
+    """(registers, spill store bytes, nvdisasm's listing of the cubin or None) for the PTX: ptxas's report, and
+    the listing where nvdisasm is given."""
     with tempfile.TemporaryDirectory() as folder:
         source, cubin = os.path.join(folder, "kernel.ptx"), os.path.join(folder, "kernel.cubin")
         with open(source, "w") as file:
@@ -68,29 +71,54 @@ def registers(ptxas: str, ptx: str, nvdisasm: str | None = None) -> tuple:
                    if nvdisasm else None)
     used = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
-    return int(used.group(1)), int(spills.group(1)) if spills else 0, listing and loop_instructions(listing)
+    return int(used.group(1)), int(spills.group(1)) if spills else 0, listing
 
 
-def loop_instructions(listing: str) -> int:
-    """Instructions between a label and the farthest branch back to it in an nvdisasm listing (0: no loop)."""
-    labels, widest, count = {}, 0, 0
+def _loop(listing: str) -> list[str]:
+    """The instructions (and labels) from a label to the farthest branch back to it in an nvdisasm listing, the
+    kernel's main loop ([] if it has none)."""
+    lines, labels, widest = [], {}, (0, 0)
     for line in listing.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
         if label:
-            labels[label.group(1)] = count
+            labels[label.group(1)] = len(lines)
+            lines.append(label.group(1) + ":")
         elif re.match(r"\s*/\*[0-9a-f]{4,}\*/", line):
-            count += 1
+            lines.append(re.sub(r"/\*[0-9a-f]+\*/\s*", "", line.strip()))
             target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
-            if target and target.group(1) in labels:
-                widest = max(widest, count - labels[target.group(1)])
-    return widest
+            if target and target.group(1) in labels and len(lines) - labels[target.group(1)] > widest[1] - widest[0]:
+                widest = (labels[target.group(1)], len(lines))
+    return lines[widest[0]:widest[1]]
+
+
+def loop_instructions(listing: str) -> int:
+    """Instructions in the kernel's main loop (0: no loop)."""
+    return sum(not line.endswith(":") for line in _loop(listing))
+
+
+def loop_listing(listing: str) -> list[str]:
+    """The main loop's global loads, f16 scale conversions and branches, each at its instruction's place in the
+    loop: where a prefetch's loads go out and where their first use makes a lane wait for them."""
+    shown, at = [], 0
+    for line in _loop(listing):
+        if line.endswith(":"):
+            shown.append(line)
+            continue
+        if any(key in line for key in ("LDG", "HADD2.F32", "BRA")):
+            shown.append(f"{at:5} {line}")
+        at += 1
+    return shown
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default="F32,Q8_0,Q4_0,Q4_K,Q6_K")
     parser.add_argument("--windows", default="1,4")
+    parser.add_argument("--shapes", help="n_in x n_out pairs, e.g. 12288x4096 (default: the four of SHAPES)")
+    parser.add_argument("--listing", action="store_true",
+                        help="print each kernel's main loop: its global loads, f16 conversions and branches")
     args = parser.parse_args(argv)
+    shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     ptxas = shutil.which("ptxas") or os.path.join(home, "bin", "ptxas")
     if not os.path.exists(ptxas):
@@ -105,9 +133,10 @@ def main(argv=None) -> int:
           f" {'blocks/SM':>9}" + (f" {'loop':>5} {'per 16 B':>8} {'B/clk/SM':>10}" if nvdisasm else ""))
     for name in args.types.split(","):
         for window in map(int, args.windows.split(",")):
-            for n_in, n_out in SHAPES:
+            for n_in, n_out in shapes:
                 ptx, shape = decode_ptx(T[name], n_in, n_out, window)
-                regs, spill, loop = registers(ptxas, ptx, nvdisasm)
+                regs, spill, listing = registers(ptxas, ptx, nvdisasm)
+                loop = listing and loop_instructions(listing)
                 threads = shape.tg * shape.groups
                 blocks = 65536 // (-(-regs // 8) * 8 * threads)       # the register file: 64K a SM
                 fmt = FORMATS[T[name]]
@@ -118,6 +147,8 @@ def main(argv=None) -> int:
                          else f" {'-':>5} {'-':>8} {'-':>10}")      # one chunk a lane: no loop to count
                 print(f"{name:6} {n_in:6} {n_out:6} {window:6} {shape.tg:4} {shape.nr:4} {regs:5} {spill:7}"
                       f" {blocks:9}" + issue, flush=True)
+                if args.listing and listing:
+                    print("\n".join(loop_listing(listing)), flush=True)
     return 0
 
 

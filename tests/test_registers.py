@@ -1,6 +1,6 @@
-"""benchmarks/registers.py's count of a kernel's main loop in an nvdisasm listing."""
+"""benchmarks/registers.py's count and listing of a kernel's main loop in an nvdisasm listing."""
 
-from benchmarks.registers import loop_instructions
+from benchmarks.registers import loop_instructions, loop_listing
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -24,3 +24,8 @@ def test_the_widest_backward_branch_is_the_loop():
 
 def test_a_listing_without_a_loop_counts_none():
     assert loop_instructions(LISTING.replace("@P1 BRA `(.L_x_1)", "NOP").replace("@P2 BRA `(.L_x_2)", "NOP")) == 0
+
+
+def test_the_loop_listing_shows_its_loads_and_branches_at_their_places():
+    assert loop_listing(LISTING) == [".L_x_1:", "    0 LDG.E.128.CONSTANT R4, desc[UR8][R2.64] ;", ".L_x_2:",
+                                     "    2 @P2 BRA `(.L_x_2) ;", "    4 @P1 BRA `(.L_x_1) ;"]
