@@ -1,12 +1,16 @@
-# Run 55 (to run): the decode matmul's deferred scale conversion (branch decode-deferred-scales) against main.
-# The branch converts a prefetched chunk's scales after the current chunks' arithmetic (main converts them at
-# the load, so a lane waits out the prefetch there) and folds window row 0's test; ptxas: 4-11% fewer loop
-# instructions, three shapes at lower occupancy (BENCHMARKS.md). Here, first: check out the branch, then
-# `bash benchmarks/base_tree.sh main`, and copy the kernel cache a previous call returned into .var/kc.tgz.
-# Then one call from the repository root on the device after DEVICE.md's prefix, carrying [".whl", ".base",
-# ".var"]: bash benchmarks/results/run55/run55.sh
+# Run 55 (to run): the decode matmul's deferred scale conversion (`deferred-scales.patch` beside this script)
+# against main. The patch converts a prefetched chunk's scales after the current chunks' arithmetic (main
+# converts them at the load, so a lane waits out the prefetch there), folds window row 0's test, and has a lane
+# that loops prefetch unconditionally; ptxas: fewer loop instructions, a block an SM more for most looping
+# kernels at window 1, three one-chunk kernels a block fewer (BENCHMARKS.md). Here, first:
+#   bash benchmarks/base_tree.sh HEAD                          (.base/ = main)
+#   git apply benchmarks/results/run55/deferred-scales.patch  (this tree = the candidate; `git checkout codegen`
+#                                                              after the call)
+# and copy a kernel cache that a previous call returned into .var/kc.tgz if there is one. Then one call from the
+# repository root on the device after DEVICE.md's prefix, carrying [".whl", ".base", ".var"]:
+#   bash benchmarks/results/run55/run55.sh
 # Each side: the dense decode table and the MoE decode step (`kernels_matmul.py decode moe`), then the resident
-# e2e, whose tokens' digest must be the same on both sides (the change keeps the bits).
+# e2e, whose tokens' digest must be the same on both sides (the patch keeps the bits).
 . benchmarks/device_step.sh
 begin_call
 SHAPES=768x2048,4096x4096,12288x4096,4096x12288
