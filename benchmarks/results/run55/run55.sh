@@ -2,7 +2,7 @@
 # against main. The patch converts a prefetched chunk's scales after the current chunks' arithmetic (main
 # converts them at the load, so a lane waits out the prefetch there), folds window row 0's test, and has a lane
 # that loops prefetch unconditionally; ptxas: fewer loop instructions, a block an SM more for most looping
-# kernels at window 1, three one-chunk kernels a block fewer (BENCHMARKS.md). Here, first:
+# kernels at window 1, lanes of one chunk as on main (BENCHMARKS.md). Here, first:
 #   bash benchmarks/base_tree.sh HEAD                          (.base/ = main)
 #   git apply benchmarks/results/run55/deferred-scales.patch  (this tree = the candidate; `git checkout codegen`
 #                                                              after the call)
